@@ -1,0 +1,134 @@
+"""Configuration: the environment variables amp_bn_fix reads, parsed and validated.
+
+This module imports neither torch nor wrapt, so the start-up hook can validate the environment
+before anything heavy is loaded. It holds no global state: :func:`from_env` returns a fresh
+:class:`Config` and the runtime (``_patch``) decides what to do with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Dict, FrozenSet, Mapping, Optional
+
+POLICIES = ("fp32", "input", "autocast", "off")
+KEEP_MODES = ("stats", "all", "none")
+# Device types torch's autocast knows. Anything else is almost certainly a typo ("gpu").
+DEVICE_TYPES = (
+    "cpu",
+    "cuda",
+    "xpu",
+    "mps",
+    "hpu",
+    "mtia",
+    "maia",
+    "xla",
+    "ipu",
+    "privateuseone",
+)
+
+ENV_ENABLE = "AMP_BN_FIX"
+ENV_POLICY = "AMP_BN_FIX_POLICY"
+ENV_DEVICES = "AMP_BN_FIX_DEVICES"
+ENV_KEEP_FP32 = "AMP_BN_FIX_KEEP_FP32"
+ENV_GUARD = "AMP_BN_FIX_GUARD"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _allowed(values: tuple) -> str:
+    return ", ".join(values)
+
+
+def _invalid(what: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"{what}={value!r} is not valid; allowed values: {allowed}")
+
+
+def check_policy(name: object, what: str = "policy") -> str:
+    """Return the canonical policy name for ``name`` or raise ``ValueError`` naming the choices."""
+    if isinstance(name, str) and name.strip().lower() in POLICIES:
+        return name.strip().lower()
+    raise _invalid(what, name, _allowed(POLICIES))
+
+
+def check_keep_fp32(mode: object, what: str = "keep_fp32") -> str:
+    if isinstance(mode, str) and mode.strip().lower() in KEEP_MODES:
+        return mode.strip().lower()
+    raise _invalid(what, mode, _allowed(KEEP_MODES))
+
+
+def parse_flag(value: object, what: str) -> bool:
+    """Parse a boolean switch such as ``AMP_BN_FIX=1``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+    raise _invalid(what, value, "1/true/yes/on or 0/false/no/off")
+
+
+def parse_devices(value: object, what: str = "devices") -> Optional[FrozenSet[str]]:
+    """Parse ``"all"`` (returns ``None``) or a comma list of autocast device types."""
+    allowed = f"'all' or a comma list of: {_allowed(DEVICE_TYPES)}"
+    if isinstance(value, str):
+        names = [part.strip().lower() for part in value.split(",")]
+    elif isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in value):
+        names = [v.strip().lower() for v in value]
+    else:
+        raise _invalid(what, value, allowed)
+    if names == ["all"]:
+        return None
+    if not names or any(not re.fullmatch(r"[a-z][a-z0-9_]*", n) or n not in DEVICE_TYPES for n in names):
+        raise _invalid(what, value, allowed)
+    return frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The effective settings; ``sources`` says where each came from: default, env or API."""
+
+    policy: str = "fp32"
+    devices: Optional[FrozenSet[str]] = None  # None: every device type
+    keep_fp32: str = "stats"
+    guard: bool = True
+    sources: Mapping[str, str] = dataclasses.field(
+        default_factory=lambda: {"policy": "default", "devices": "default", "keep_fp32": "default", "guard": "default"}
+    )
+
+    def replace(self, source: str = "API", **changes: object) -> "Config":
+        """A copy with ``changes`` applied and recorded as coming from ``source``."""
+        sources = dict(self.sources)
+        sources.update({name: source for name in changes})
+        return dataclasses.replace(self, sources=sources, **changes)  # type: ignore[arg-type]
+
+    def describe(self, name: str) -> str:
+        value = getattr(self, name)
+        if name == "devices":
+            value = "all" if value is None else ",".join(sorted(value))
+        elif name == "guard":
+            value = "1" if value else "0"
+        return str(value)
+
+
+def from_env(environ: Mapping[str, str] = os.environ) -> Config:
+    """Read the ``AMP_BN_FIX_*`` variables; a bad value raises ``ValueError`` naming the variable."""
+    changes: Dict[str, object] = {}
+    if environ.get(ENV_POLICY, "").strip():
+        changes["policy"] = check_policy(environ[ENV_POLICY], ENV_POLICY)
+    if environ.get(ENV_DEVICES, "").strip():
+        changes["devices"] = parse_devices(environ[ENV_DEVICES], ENV_DEVICES)
+    if environ.get(ENV_KEEP_FP32, "").strip():
+        changes["keep_fp32"] = check_keep_fp32(environ[ENV_KEEP_FP32], ENV_KEEP_FP32)
+    if environ.get(ENV_GUARD, "").strip():
+        changes["guard"] = parse_flag(environ[ENV_GUARD], ENV_GUARD)
+    return Config().replace("env", **changes) if changes else Config()
+
+
+def hook_requested(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``AMP_BN_FIX`` asks the start-up hook to enable the shim."""
+    return parse_flag(environ.get(ENV_ENABLE, "0"), ENV_ENABLE)

@@ -1,0 +1,145 @@
+"""Install and remove the ``F.batch_norm`` patch: the one owner of patched state.
+
+The wrapper's pass-through path (not a half input, or re-entered) is a thread-local read and a
+dtype check before calling the original: no argument binding, no allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional
+import wrapt
+
+from . import _policy
+from ._config import Config
+
+log = logging.getLogger("amp_bn_fix")
+
+_F16 = torch.float16
+_BF16 = torch.bfloat16
+
+
+class _ThreadState(threading.local):
+    # True while this thread is inside a handled call: tensor subclasses and TorchFunctionModes
+    # call the patched name again from inside F.batch_norm, and the policy must apply once.
+    inside = False
+    # The innermost ``amp_bn_fix.policy(...)`` override of this thread, if any.
+    policy: Optional[str] = None
+
+
+_thread = _ThreadState()
+_lock = threading.RLock()
+_config = Config()
+_handle: Optional[wrapt.FunctionWrapper] = None
+_script_handle: Optional[wrapt.FunctionWrapper] = None
+_script_warned = False
+
+
+def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    thread = _thread
+    if thread.inside:
+        return wrapped(*args, **kwargs)
+    input = args[0] if args else kwargs.get("input")
+    dtype = getattr(input, "dtype", None)
+    if dtype is not _F16 and dtype is not _BF16:
+        return wrapped(*args, **kwargs)
+    return _handle_low_precision(wrapped, args, kwargs, thread)
+
+
+def _handle_low_precision(wrapped: Callable[..., torch.Tensor], args: tuple, kwargs: dict, thread: _ThreadState) -> torch.Tensor:
+    config = _config
+    try:
+        call = _policy.bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
+    if config.devices is not None and call.input.device.type not in config.devices:
+        return wrapped(*args, **kwargs)
+    out_dtype = _policy.output_dtype(thread.policy or config.policy, call)
+    if out_dtype is None:
+        return wrapped(*args, **kwargs)
+    thread.inside = True
+    try:
+        return _policy.fp32_batch_norm(wrapped, call, out_dtype, config.guard)
+    finally:
+        thread.inside = False
+
+
+def _script_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Warn once when a module with BatchNorm is scripted: TorchScript compiles the original."""
+    global _script_warned
+    obj = args[0] if args else kwargs.get("obj")
+    if not _script_warned and isinstance(obj, torch.nn.Module):
+        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in obj.modules()):
+            _script_warned = True
+            warnings.warn(
+                "amp_bn_fix: torch.jit.script compiles the original F.batch_norm; scripted "
+                "BatchNorm modules run without the FP32 policy",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return wrapped(*args, **kwargs)
+
+
+def configure(config: Config) -> None:
+    """Make ``config`` the process-wide settings (one assignment: readers see old or new)."""
+    global _config
+    _config = config
+
+
+def current_config() -> Config:
+    return _config
+
+
+def active_policy() -> str:
+    return _thread.policy or _config.policy
+
+
+def set_thread_policy(name: Optional[str]) -> Optional[str]:
+    """Set this thread's override; returns the previous one so a scope can restore it."""
+    previous = _thread.policy
+    _thread.policy = name
+    return previous
+
+
+def is_installed() -> bool:
+    return _handle is not None
+
+
+def install() -> bool:
+    """Wrap ``torch.nn.functional.batch_norm``; returns False when already installed."""
+    global _handle, _script_handle
+    with _lock:
+        if _handle is not None:
+            return False
+        _handle = wrapt.wrap_function_wrapper(torch.nn.functional, "batch_norm", _batch_norm_wrapper)
+        _script_handle = wrapt.wrap_function_wrapper(torch.jit, "script", _script_wrapper)
+        log.debug("patched torch.nn.functional.batch_norm (policy %s)", _config.policy)
+        return True
+
+
+def uninstall() -> bool:
+    """Remove our wrappers, restoring the very original objects; False when not installed.
+
+    Only our own wrapper is removed, by identity; wrapt wrappers others put on top stay.
+    """
+    global _handle, _script_handle
+    with _lock:
+        if _handle is None:
+            return False
+        for target, name, handle in (
+            (torch.nn.functional, "batch_norm", _handle),
+            (torch.jit, "script", _script_handle),
+        ):
+            try:
+                wrapt.unwrap_object(target, name, handle, missing_ok=True)
+            except wrapt.WrapperNotOutermostError as exc:
+                warnings.warn(f"amp_bn_fix: could not remove the patch: {exc}", RuntimeWarning, stacklevel=3)
+                return False
+        _handle = _script_handle = None
+        log.debug("restored torch.nn.functional.batch_norm")
+        return True

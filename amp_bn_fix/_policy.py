@@ -1,0 +1,126 @@
+"""The batch-norm policy: which calls are handled and how a handled call is computed.
+
+Device-agnostic and stateless. The runtime (``_patch``) passes in the original
+``torch.nn.functional.batch_norm``, the active policy and the settings; nothing here reads globals.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ._compat import autocast_disabled, autocast_dtype, autocast_enabled
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class BatchNormCall(NamedTuple):
+    """The arguments of one ``F.batch_norm`` call, by name."""
+
+    input: torch.Tensor
+    running_mean: Optional[torch.Tensor]
+    running_var: Optional[torch.Tensor]
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    training: bool
+    momentum: float
+    eps: float
+
+
+def bind(
+    input: torch.Tensor,
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> BatchNormCall:
+    """Bind ``F.batch_norm``'s arguments (same signature; a test keeps them in step)."""
+    return BatchNormCall(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def _is_mixed(call: BatchNormCall) -> bool:
+    """Whether a parameter or running stat has a dtype other than the input's.
+
+    Native kernels reject most such calls with a half input (e.g. half weight with FP32 stats,
+    which is what ``model.half()`` leaves when running stats are kept in FP32).
+    """
+    dtype = call.input.dtype
+    return any(
+        t is not None and t.dtype is not dtype
+        for t in (call.running_mean, call.running_var, call.weight, call.bias)
+    )
+
+
+def output_dtype(policy: str, call: BatchNormCall) -> Optional[torch.dtype]:
+    """The output dtype of a handled call, or ``None`` when the call runs natively.
+
+    The caller has already checked that the input is float16/bfloat16 on a selected device.
+    """
+    if policy == "off":
+        return None
+    device_type = call.input.device.type
+    if autocast_enabled(device_type):
+        if policy == "fp32":
+            return torch.float32
+        if policy == "autocast":
+            return autocast_dtype(device_type)
+        return call.input.dtype
+    if _is_mixed(call):
+        # Outside autocast the caller chose half precision; only the arithmetic is FP32.
+        return call.input.dtype
+    return None
+
+
+def _fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # A differentiable cast: gradients flow back to the original tensor in its own dtype.
+    return t if t is None or t.dtype is torch.float32 else t.float()
+
+
+def _working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Optional[torch.Tensor]:
+    """The FP32 tensor the kernel reads (and, in training, updates in place).
+
+    It is ``stat`` itself when that is already FP32 and needs no protection, so module buffers
+    see the update directly; otherwise an FP32 copy that is written back afterwards.
+    """
+    if stat is None:
+        return None
+    if stat.dtype is torch.float32 and not (updates and guard):
+        return stat
+    return stat.detach().to(torch.float32, copy=True)
+
+
+@torch.no_grad()
+def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], guard: bool) -> None:
+    """Copy the updated working stats into the caller's tensors."""
+    if guard:
+        # Device-side select, no host sync: a non-finite batch leaves the stats exactly as they were.
+        finite = torch.stack([torch.isfinite(t).all() for t in new]).all()
+        new = tuple(torch.where(finite, n, s.to(torch.float32)) for s, n in zip(stats, new))
+    for stat, value in zip(stats, new):
+        if value is not stat:
+            stat.copy_(value)
+
+
+def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard: bool) -> torch.Tensor:
+    """Compute ``call`` with FP32 statistics, normalization and running-stat update.
+
+    Autocast is off inside so nothing recasts half-way; the result is cast to ``out_dtype``.
+    With ``guard``, a training step whose statistics are not finite leaves the running stats
+    untouched (the output still carries the inf/NaN, so GradScaler sees it).
+    """
+    input, running_mean, running_var, weight, bias, training, momentum, eps = call
+    updates = bool(training)
+    work_mean = _working_stat(running_mean, updates, guard)
+    work_var = _working_stat(running_var, updates, guard)
+    with autocast_disabled(input.device.type):
+        out = original(
+            input.float(), work_mean, work_var, _fp32(weight), _fp32(bias), training, momentum, eps
+        )
+    if updates and running_mean is not None and running_var is not None:
+        if work_mean is not running_mean or work_var is not running_var:
+            _write_back((running_mean, running_var), (work_mean, work_var), guard)
+    return out if out.dtype is out_dtype else out.to(out_dtype)
