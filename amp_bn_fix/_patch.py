@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional
@@ -35,8 +35,8 @@ class _ThreadState(threading.local):
 _thread = _ThreadState()
 _lock = threading.RLock()
 _config = Config()
-_handle: Optional[wrapt.FunctionWrapper] = None
-_script_handle: Optional[wrapt.FunctionWrapper] = None
+# (owner, attribute, wrapper) for each patch in place, in the order applied.
+_handles: List[Tuple[Any, str, wrapt.FunctionWrapper]] = []
 _script_warned = False
 
 
@@ -106,18 +106,28 @@ def set_thread_policy(name: Optional[str]) -> Optional[str]:
     return previous
 
 
+def _targets() -> List[Tuple[Any, str, Callable[..., Any]]]:
+    """Every (owner, attribute, wrapper) the shim patches; installed and removed together."""
+    return [
+        (torch.nn.functional, "batch_norm", _batch_norm_wrapper),
+        (torch.jit, "script", _script_wrapper),
+    ]
+
+
 def is_installed() -> bool:
-    return _handle is not None
+    return bool(_handles)
 
 
 def install() -> bool:
-    """Wrap ``torch.nn.functional.batch_norm``; returns False when already installed."""
-    global _handle, _script_handle
+    """Apply every patch; returns False when already installed."""
+    global _handles
     with _lock:
-        if _handle is not None:
+        if _handles:
             return False
-        _handle = wrapt.wrap_function_wrapper(torch.nn.functional, "batch_norm", _batch_norm_wrapper)
-        _script_handle = wrapt.wrap_function_wrapper(torch.jit, "script", _script_wrapper)
+        _handles = [
+            (owner, name, wrapt.wrap_function_wrapper(owner, name, wrapper))
+            for owner, name, wrapper in _targets()
+        ]
         log.debug("patched torch.nn.functional.batch_norm (policy %s)", _config.policy)
         return True
 
@@ -125,21 +135,19 @@ def install() -> bool:
 def uninstall() -> bool:
     """Remove our wrappers, restoring the very original objects; False when not installed.
 
-    Only our own wrapper is removed, by identity; wrapt wrappers others put on top stay.
+    Only our own wrappers are removed, by identity; wrapt wrappers others put on top stay.
     """
-    global _handle, _script_handle
+    global _handles
     with _lock:
-        if _handle is None:
+        if not _handles:
             return False
-        for target, name, handle in (
-            (torch.nn.functional, "batch_norm", _handle),
-            (torch.jit, "script", _script_handle),
-        ):
+        while _handles:
+            owner, name, handle = _handles[-1]
             try:
-                wrapt.unwrap_object(target, name, handle, missing_ok=True)
+                wrapt.unwrap_object(owner, name, handle, missing_ok=True)
             except wrapt.WrapperNotOutermostError as exc:
                 warnings.warn(f"amp_bn_fix: could not remove the patch: {exc}", RuntimeWarning, stacklevel=3)
                 return False
-        _handle = _script_handle = None
+            _handles.pop()
         log.debug("restored torch.nn.functional.batch_norm")
         return True

@@ -1,0 +1,33 @@
+"""Every test starts from the documented defaults with the shim enabled, and leaves it so."""
+
+import os
+
+import pytest
+
+# Settings from the caller's environment must not leak into the tests (subprocess tests set their own).
+for _name in [n for n in os.environ if n.startswith("AMP_BN_FIX")]:
+    del os.environ[_name]
+
+import amp_bn_fix  # noqa: E402
+from amp_bn_fix import _config, _patch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def default_shim():
+    _patch.configure(_config.Config())
+    _patch.install()
+    yield
+    _patch.set_thread_policy(None)
+    _patch.configure(_config.Config())
+    _patch.install()
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
