@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional
 import wrapt
 
-from . import _policy
+from . import _buffers, _policy
 from ._config import Config
 
 log = logging.getLogger("amp_bn_fix")
@@ -69,6 +69,12 @@ def _handle_low_precision(wrapped: Callable[..., torch.Tensor], args: tuple, kwa
         thread.inside = False
 
 
+def _module_apply_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``_BatchNorm._apply``: model casts keep the running stats FP32 (settings read per call)."""
+    keep = "none" if active_policy() == "off" else _config.keep_fp32
+    return _buffers.apply_keeping_fp32(wrapped, instance, args, kwargs, keep)
+
+
 def _script_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """Warn once when a module with BatchNorm is scripted: TorchScript compiles the original."""
     global _script_warned
@@ -77,8 +83,8 @@ def _script_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in obj.modules()):
             _script_warned = True
             warnings.warn(
-                "amp_bn_fix: torch.jit.script compiles the original F.batch_norm; scripted "
-                "BatchNorm modules run without the FP32 policy",
+                "amp_bn_fix: TorchScript compiles the original F.batch_norm; scripted "
+                "BatchNorm modules run without the amp_bn_fix policy",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -111,6 +117,7 @@ def _targets() -> List[Tuple[Any, str, Callable[..., Any]]]:
     return [
         (torch.nn.functional, "batch_norm", _batch_norm_wrapper),
         (torch.jit, "script", _script_wrapper),
+        (torch.nn.modules.batchnorm._BatchNorm, "_apply", _module_apply_wrapper),
     ]
 
 

@@ -1,0 +1,70 @@
+"""Keep BatchNorm running statistics (and optionally weight and bias) FP32 when a model is cast.
+
+``Module._apply(fn)`` performs every conversion (``.half()``, ``.bfloat16()``, ``.to(...)``,
+``.cuda()``, ``.type(...)``): it calls ``fn`` on each parameter, gradient and buffer and stores the
+results. :func:`apply_keeping_fp32` hands the original a ``fn`` that, for the tensors to keep, turns a
+16-bit result into float32 on the device the conversion chose, converting from the tensor as it was
+before, so values never round-trip through half (16-bit tensors from before the shim are upcast). torch's own code still decides how each result is
+stored (``.data`` assignment, a new Parameter, or a swap), so Parameter identity, gradients and
+optimizer references behave exactly as they do in torch.
+
+Stateless: the runtime (``_patch``) passes in the original ``_apply`` and the keep mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Set, Tuple
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+_STATS = ("running_mean", "running_var")
+_AFFINE = ("weight", "bias")
+
+
+def _kept_ids(module: torch.nn.Module, keep: str) -> Set[int]:
+    """The ids of the tensors of ``module`` (not of its children) that must not become 16-bit."""
+    tensors = [module._buffers.get(name) for name in _STATS]
+    if keep == "all":
+        for name in _AFFINE:
+            param = module._parameters.get(name)
+            if param is not None:
+                tensors += [param, param.grad]
+    return {id(t) for t in tensors if t is not None}
+
+
+def _split_fn(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Callable[[torch.Tensor], torch.Tensor], Tuple[Any, ...], Dict[str, Any]]:
+    # ``Module._apply(self, fn, recurse=True)``: ``fn`` may come by position or by name.
+    if args:
+        return args[0], args[1:], kwargs
+    rest = dict(kwargs)
+    return rest.pop("fn"), (), rest
+
+
+def apply_keeping_fp32(
+    original: Callable[..., torch.nn.Module],
+    module: torch.nn.Module,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    keep: str,
+) -> torch.nn.Module:
+    """Run ``module._apply`` so that its kept tensors come out float32 instead of 16-bit.
+
+    ``keep`` is ``"stats"`` (running_mean, running_var), ``"all"`` (also weight, bias and their
+    gradients) or ``"none"`` (torch's behaviour). Casts to float32/float64 are untouched.
+    """
+    if keep == "none":
+        return original(*args, **kwargs)
+    fn, rest, rest_kwargs = _split_fn(args, kwargs)
+    kept = _kept_ids(module, keep)
+
+    def keeping_fn(tensor: torch.Tensor) -> torch.Tensor:
+        result = fn(tensor)
+        if id(tensor) not in kept or result.dtype not in _HALF:
+            return result
+        # Convert from the tensor as it was, never from the rounded result; a meta tensor has
+        # no values to convert (``to_empty`` turns it into uninitialized memory anyway).
+        source = result if tensor.is_meta else tensor
+        return source.to(device=result.device, dtype=torch.float32)
+
+    return original(keeping_fn, *rest, **rest_kwargs)

@@ -1,0 +1,430 @@
+"""Installing the patch, the public API, pass-through calls and composition with the rest of torch."""
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import amp_bn_fix
+from amp_bn_fix import _config, _patch, _policy
+
+ORIGINAL = F.batch_norm.__wrapped__
+
+
+def seed_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 5))
+
+
+def layer_dtypes(net, x, device_type="cpu", dtype=torch.bfloat16):
+    dtypes = []
+    with torch.autocast(device_type, dtype=dtype):
+        for layer in net:
+            x = layer(x)
+            dtypes.append(x.dtype)
+    return dtypes
+
+
+# --- the seed report -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_seed_layer_dtypes_on_cpu(dtype):
+    net, x = seed_net(), torch.randn(2, 4)
+    assert layer_dtypes(net, x, dtype=dtype) == [dtype, torch.float32, dtype]
+    amp_bn_fix.disable()
+    assert layer_dtypes(net, x, dtype=dtype) == [dtype, dtype, dtype]  # the bug, natively
+
+
+# --- enable / disable ------------------------------------------------------------------------
+
+
+def test_import_enables_and_disable_restores_the_very_original():
+    assert amp_bn_fix.is_enabled()
+    assert F.batch_norm is not ORIGINAL and F.batch_norm.__wrapped__ is ORIGINAL
+    amp_bn_fix.disable()
+    assert F.batch_norm is ORIGINAL and not amp_bn_fix.is_enabled()
+    amp_bn_fix.disable()  # idempotent
+    assert F.batch_norm is ORIGINAL
+
+
+def test_enable_is_idempotent_one_wrapper():
+    amp_bn_fix.enable()
+    amp_bn_fix.enable("input")
+    assert F.batch_norm.__wrapped__ is ORIGINAL  # not a wrapper around a wrapper
+    assert amp_bn_fix.get_policy() == "input"
+
+
+def test_disable_removes_only_our_wrapper():
+    import wrapt
+
+    other = wrapt.wrap_function_wrapper(F, "batch_norm", lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
+    try:
+        amp_bn_fix.disable()
+        assert F.batch_norm is other and other.__wrapped__ is ORIGINAL  # theirs stays, ours is gone
+    finally:
+        wrapt.unwrap_object(F, "batch_norm", other)
+    assert F.batch_norm is ORIGINAL
+
+
+def test_modules_reach_the_patch_through_f_batch_norm():
+    bns = [nn.BatchNorm1d(3), nn.BatchNorm2d(3), nn.BatchNorm3d(3), nn.SyncBatchNorm(3)]
+    shapes = [(4, 3), (4, 3, 2, 2), (4, 3, 2, 2, 2), (4, 3, 2, 2)]
+    lazy = nn.LazyBatchNorm2d()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = [bn(torch.randn(s).bfloat16()) for bn, s in zip(bns, shapes)]
+        outs.append(lazy(torch.randn(4, 3, 2, 2).bfloat16()))
+    assert [o.dtype for o in outs] == [torch.float32] * 5
+
+
+# --- policies and settings -------------------------------------------------------------------
+
+
+def test_set_policy_and_scoped_policy():
+    bn, x = nn.BatchNorm2d(3), torch.randn(4, 3, 2, 2).bfloat16()
+    amp_bn_fix.set_policy("INPUT")  # names are case-insensitive
+    assert amp_bn_fix.get_policy() == "input"
+    assert amp_bn_fix.get_config().sources["policy"] == "API"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert bn(x).dtype is torch.bfloat16
+        with amp_bn_fix.policy("fp32"):
+            assert amp_bn_fix.get_policy() == "fp32"
+            assert bn(x).dtype is torch.float32
+            with amp_bn_fix.policy("off"):
+                assert bn(x).dtype is torch.bfloat16
+            assert bn(x).dtype is torch.float32
+        assert amp_bn_fix.get_policy() == "input"
+
+
+@pytest.mark.parametrize("call", [amp_bn_fix.set_policy, amp_bn_fix.enable, lambda n: amp_bn_fix.policy(n).__enter__()])
+def test_unknown_policy_names_the_allowed_ones(call):
+    with pytest.raises(ValueError, match=r"'fp16'.*fp32, input, autocast, off"):
+        call("fp16")
+    assert amp_bn_fix.get_policy() == "fp32"
+
+
+def test_scoped_policies_are_per_thread():
+    bn, x = nn.BatchNorm2d(3), torch.randn(4, 3, 2, 2).bfloat16()
+    barrier = threading.Barrier(2)
+    seen = {}
+
+    def worker(name, policy):
+        with amp_bn_fix.policy(policy), torch.autocast("cpu", dtype=torch.bfloat16):
+            barrier.wait()  # both scopes are open at once
+            seen[name] = (amp_bn_fix.get_policy(), bn(x).dtype)
+            barrier.wait()
+
+    threads = [threading.Thread(target=worker, args=args) for args in (("a", "input"), ("b", "fp32"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"a": ("input", torch.bfloat16), "b": ("fp32", torch.float32)}
+    assert amp_bn_fix.get_policy() == "fp32"
+
+
+def test_enable_disable_from_many_threads_never_doubles_or_loses_the_patch():
+    def toggle(i):
+        for j in range(200):
+            amp_bn_fix.enable() if (i + j) % 2 else amp_bn_fix.disable()
+
+    threads = [threading.Thread(target=toggle, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    amp_bn_fix.enable()
+    assert F.batch_norm.__wrapped__ is ORIGINAL
+    amp_bn_fix.disable()
+    assert F.batch_norm is ORIGINAL
+
+
+def test_devices_setting_selects_device_types():
+    bn, x = nn.BatchNorm2d(3), torch.randn(4, 3, 2, 2).bfloat16()
+    _patch.configure(_patch.current_config().replace(devices=_config.parse_devices("cuda")))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert bn(x).dtype is torch.bfloat16  # cpu not selected: native
+    _patch.configure(_patch.current_config().replace(devices=_config.parse_devices("cuda,cpu")))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert bn(x).dtype is torch.float32
+
+
+# --- pass-through calls are bitwise native ---------------------------------------------------
+
+
+def native_and_patched(fn):
+    """Run ``fn`` on fresh copies with the patch removed and installed; return both results."""
+    results = []
+    for installed in (False, True):
+        _patch.install() if installed else _patch.uninstall()
+        results.append(fn())
+    return results
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["fp32-no-autocast", "fp32-under-autocast", "fp64", "half-no-autocast", "policy-off", "device-not-selected"],
+)
+def test_pass_through_is_bitwise_native(case):
+    torch.manual_seed(0)
+    base = nn.BatchNorm2d(3).train()
+    dtype = {"fp64": torch.float64, "fp32-no-autocast": torch.float32, "fp32-under-autocast": torch.float32}.get(
+        case, torch.bfloat16
+    )
+    if case == "half-no-autocast":
+        # An all-half call (stats cast too): the caller's choice, runs natively.
+        _patch.configure(_patch.current_config().replace(keep_fp32="none"))
+        base = base.to(torch.bfloat16)
+    elif dtype is torch.float64:
+        base = base.double()
+    x0 = torch.randn(4, 3, 5, 5).to(dtype)
+    if case == "policy-off":
+        amp_bn_fix.set_policy("off")
+    if case == "device-not-selected":
+        _patch.configure(_patch.current_config().replace(devices=frozenset({"cuda"})))
+    autocast = case not in ("fp32-no-autocast", "fp64", "half-no-autocast")
+
+    def step():
+        bn, x = copy.deepcopy(base), x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = bn(x)
+        out.float().square().sum().backward()
+        return out, bn.running_mean, bn.running_var, x.grad, bn.weight.grad, bn.bias.grad
+
+    native, patched = native_and_patched(step)
+    for a, b in zip(native, patched):
+        assert a.dtype is b.dtype and torch.equal(a, b)
+
+
+def test_every_calling_style_matches_the_original_outside_autocast():
+    x = torch.randn(4, 3, 2, 2)
+    rm, rv, w, b = torch.zeros(3), torch.ones(3), torch.rand(3), torch.rand(3)
+    styles = [
+        lambda f: f(x, rm.clone(), rv.clone()),
+        lambda f: f(x, rm.clone(), rv.clone(), w, b, True, 0.3, 1e-3),
+        lambda f: f(input=x, running_mean=rm.clone(), running_var=rv.clone(), weight=w, training=True),
+        lambda f: f(x, None, None, training=True),
+        lambda f: f(x, rm.clone(), rv.clone(), None, b),
+    ]
+    for style in styles:
+        torch.testing.assert_close(style(F.batch_norm), style(ORIGINAL), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_every_calling_style_is_handled_under_autocast(dtype):
+    x = torch.randn(4, 3, 2, 2).to(dtype)
+    tensors = (torch.zeros(3), torch.ones(3), torch.rand(3) + 0.5, torch.rand(3))
+    styles = [
+        lambda f, y, rm, rv, w, b: f(y, rm, rv),
+        lambda f, y, rm, rv, w, b: f(y, rm, rv, w, b, True, 0.3, 1e-3),
+        lambda f, y, rm, rv, w, b: f(input=y, running_mean=rm, running_var=rv, weight=w, training=True),
+        lambda f, y, rm, rv, w, b: f(y, None, None, training=True),
+        lambda f, y, rm, rv, w, b: f(y, rm, rv, None, b),
+    ]
+    for style in styles:
+        ours = [t.clone() for t in tensors]
+        ref = [t.double() for t in tensors]
+        with torch.autocast("cpu", dtype=dtype):
+            out = style(F.batch_norm, x, *ours)
+        expected = style(ORIGINAL, x.double(), *ref)
+        assert out.dtype is torch.float32
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours[0].double(), ref[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours[1].double(), ref[1], rtol=1e-6, atol=1e-6)
+
+
+def test_empty_batch_under_autocast():
+    rm, rv = torch.zeros(3), torch.ones(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.batch_norm(torch.empty(0, 3, 2, 2, dtype=torch.bfloat16), rm, rv, training=True)
+    native_rm, native_rv = torch.zeros(3), torch.ones(3)
+    ORIGINAL(torch.empty(0, 3, 2, 2, dtype=torch.bfloat16), native_rm, native_rv, training=True)
+    assert out.shape == (0, 3, 2, 2) and out.dtype is torch.float32
+    assert torch.equal(rm, native_rm) and torch.equal(rv, native_rv)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((torch.randn(1, 3).bfloat16(), torch.zeros(3), torch.ones(3)), {"training": True}),  # one value per channel
+        ((torch.randn(4, 3).bfloat16(), torch.zeros(3), torch.ones(3)), {"training": True, "eps": 0.0}),
+        ((torch.randn(4, 3).bfloat16(), torch.zeros(3), torch.ones(3)), {"eps": -1.0}),
+        ((torch.randn(4, 3).bfloat16(),), {}),  # missing arguments
+        ((torch.randn(4, 3).bfloat16(), torch.zeros(3), torch.ones(3)), {"bogus": 1}),
+        ((torch.randn(4, 3).bfloat16(), torch.zeros(2), torch.ones(2)), {"training": True}),  # wrong size
+    ],
+)
+def test_errors_are_the_originals(args, kwargs):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(Exception) as ours:
+            F.batch_norm(*args, **kwargs)
+    amp_bn_fix.disable()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(Exception) as theirs:
+            ORIGINAL(*[a.float() if i == 0 else a for i, a in enumerate(args)], **kwargs)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value).split(":")[0] == str(theirs.value).split(":")[0]
+
+
+# --- re-entrancy -----------------------------------------------------------------------------
+
+
+class CountingMode(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.batch_norm_calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.batch_norm or getattr(func, "__wrapped__", None) is ORIGINAL:
+            self.batch_norm_calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class PassThroughTensor(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.fixture
+def policy_calls(monkeypatch):
+    calls = []
+    real = _policy.fp32_batch_norm
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].input.dtype)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_policy, "fp32_batch_norm", spy)
+    return calls
+
+
+def test_torch_function_mode_reentry_applies_the_policy_once(policy_calls):
+    bn, x = nn.BatchNorm2d(3), torch.randn(4, 3, 2, 2).bfloat16()
+    expected = ORIGINAL(x.double(), None, None, bn.weight.double(), bn.bias.double(), True)
+    with CountingMode() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bn(x)
+    assert mode.batch_norm_calls >= 1  # the mode did route F.batch_norm back through the wrapper
+    assert policy_calls == [torch.bfloat16]
+    assert out.dtype is torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_subclass_reentry_applies_the_policy_once(policy_calls):
+    bn = nn.BatchNorm2d(3)
+    x = torch.randn(4, 3, 2, 2).bfloat16().as_subclass(PassThroughTensor)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bn(x)
+    assert policy_calls == [torch.bfloat16]
+    assert out.dtype is torch.float32 and isinstance(out, PassThroughTensor)
+
+
+# --- compilers and transforms ----------------------------------------------------------------
+
+
+def autocast_step(model, dtype=torch.bfloat16):
+    def step(x):
+        with torch.autocast("cpu", dtype=dtype):
+            y = model(x)
+        return y.float().square().mean(), y
+
+    return step
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("policy", ["fp32", "input"])
+def test_torch_compile_fullgraph_matches_eager(backend, policy):
+    torch._dynamo.reset()
+    amp_bn_fix.set_policy(policy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+    eager_loss, eager_y = autocast_step(model)(x)
+    eager_loss.backward()
+    compiled = torch.compile(autocast_step(twin), backend=backend, fullgraph=True)
+    loss, y = compiled(x)
+    loss.backward()
+    assert y.dtype is eager_y.dtype is torch.bfloat16
+    torch.testing.assert_close(y, eager_y, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(twin[1].running_mean, model[1].running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(twin[1].running_var, model[1].running_var, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(twin[0].weight.grad, model[0].weight.grad, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fp32_output_of_bn(backend):
+    torch._dynamo.reset()
+    bn = nn.BatchNorm2d(4)
+    x = torch.randn(4, 4, 5, 5).bfloat16()
+    expected = ORIGINAL(x.double(), None, None, bn.weight.double(), bn.bias.double(), True)
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def f(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return bn(x)
+
+    out = f(x)
+    assert out.dtype is torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_export():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.bn(self.linear(x))
+
+    net, x = seed_net(), torch.randn(8, 4)
+    model = Net().eval()
+    program = torch.export.export(model, (x,))
+    out = program.module()(x)
+    assert out.dtype is torch.float32
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    del net
+
+
+def test_vmap_and_functional_call():
+    bn = nn.BatchNorm2d(3)
+    xs = torch.randn(5, 4, 3, 2, 2).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        batched = torch.func.vmap(lambda x: F.batch_norm(x, None, None, bn.weight, bn.bias, training=True))(xs)
+        looped = torch.stack([F.batch_norm(x, None, None, bn.weight, bn.bias, training=True) for x in xs])
+    assert batched.dtype is torch.float32
+    torch.testing.assert_close(batched, looped)
+
+    state = {k: v.clone() for k, v in bn.state_dict().items()}
+    params = {**dict(bn.named_parameters()), **state}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.func.functional_call(bn, params, (xs[0],))
+    expected = ORIGINAL(xs[0].double(), None, None, bn.weight.double(), bn.bias.double(), True)
+    assert out.dtype is torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(state["running_mean"], bn.running_mean)  # the passed-in buffers got the update
+
+
+def test_torchscript_warns_once_that_the_policy_is_absent(monkeypatch):
+    monkeypatch.setattr(_patch, "_script_warned", False)
+
+    def ours(caught):
+        return [w for w in caught if str(w.message).startswith("amp_bn_fix")]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.jit.script(nn.Sequential(nn.Linear(2, 2)))
+        assert not ours(caught)  # nothing to say without BatchNorm
+        scripted = torch.jit.script(nn.Sequential(nn.BatchNorm1d(4)))
+        torch.jit.script(nn.BatchNorm1d(4))
+    (warning,) = ours(caught)
+    assert issubclass(warning.category, RuntimeWarning) and "TorchScript" in str(warning.message)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert scripted(torch.randn(3, 4).bfloat16()).dtype is torch.bfloat16  # the documented limit

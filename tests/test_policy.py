@@ -1,0 +1,243 @@
+"""Numerics of handled calls, against float64 references computed by the unpatched function."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_bn_fix
+from amp_bn_fix import _patch, _policy
+
+LOW = [torch.float16, torch.bfloat16]
+# (module class, input shape): BatchNorm1d takes (N, C) and (N, C, L).
+KINDS = {
+    "1d": (nn.BatchNorm1d, (16, 6)),
+    "1d-seq": (nn.BatchNorm1d, (8, 6, 5)),
+    "2d": (nn.BatchNorm2d, (8, 6, 5, 4)),
+    "3d": (nn.BatchNorm3d, (4, 6, 3, 4, 3)),
+}
+
+
+def original_batch_norm():
+    return F.batch_norm.__wrapped__
+
+
+def make_bn(kind, affine=True, track=True, seed=0):
+    cls, shape = KINDS[kind]
+    gen = torch.Generator().manual_seed(seed)
+    bn = cls(shape[1], affine=affine, track_running_stats=track)
+    with torch.no_grad():
+        if affine:
+            bn.weight.copy_(torch.rand(shape[1], generator=gen) + 0.5)
+            bn.bias.copy_(torch.randn(shape[1], generator=gen))
+        if track:
+            bn.running_mean.copy_(torch.randn(shape[1], generator=gen))
+            bn.running_var.copy_(torch.rand(shape[1], generator=gen) + 0.5)
+    x = (torch.randn(shape, generator=gen) * 3 + 1.5)
+    return bn, x
+
+
+def reference(bn, x_low, grad_out=None):
+    """Run a float64 copy of ``bn`` on the (exactly representable) low-precision input."""
+    ref = copy.deepcopy(bn).double()
+    x = x_low.detach().double().requires_grad_()
+    out = ref(x)
+    if grad_out is not None:
+        out.backward(grad_out.double())
+    return ref, x, out
+
+
+def run(bn, x_low, device_dtype, grad_out=None):
+    x = x_low.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=device_dtype):
+        out = bn(x)
+    if grad_out is not None:
+        out.backward(grad_out.to(out.dtype))
+    return x, out
+
+
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("track", [True, False], ids=["stats", "nostats"])
+def test_fp32_policy_matches_fp64(kind, dtype, training, affine, track):
+    bn, x = make_bn(kind, affine, track)
+    bn.train(training)
+    x_low = x.to(dtype)
+    ref, _, ref_out = reference(bn, x_low)
+    _, out = run(bn, x_low, dtype)
+    assert out.dtype is torch.float32
+    # FP32 accuracy: outputs are O(1), so 2e-5 is ~100 FP32 ulps and far below one half ulp.
+    assert max_err(out, ref_out) < 2e-5
+    if track:
+        assert bn.running_mean.dtype is torch.float32 and bn.running_var.dtype is torch.float32
+        torch.testing.assert_close(bn.running_mean, ref.running_mean.float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(bn.running_var, ref.running_var.float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_fp32_policy_is_far_closer_than_native(dtype):
+    bn, x = make_bn("2d")
+    x_low = x.to(dtype)
+    _, _, ref_out = reference(bn, x_low)
+    _, shim_out = run(copy.deepcopy(bn), x_low, dtype)
+    amp_bn_fix.disable()
+    _, native_out = run(copy.deepcopy(bn), x_low, dtype)
+    assert native_out.dtype is dtype
+    assert max_err(shim_out, ref_out) * 100 < max_err(native_out, ref_out)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("policy", ["input", "autocast"])
+@pytest.mark.parametrize("params", ["fp32", "half"])
+def test_low_precision_policies_round_once(kind, dtype, training, policy, params):
+    bn, x = make_bn(kind)
+    bn.train(training)
+    if params == "half":  # FP32 stats with half weight/bias: native kernels reject this mix
+        bn.weight.data, bn.bias.data = bn.weight.data.to(dtype), bn.bias.data.to(dtype)
+    x_low = x.to(dtype)
+    ref, _, ref_out = reference(bn, x_low)
+    amp_bn_fix.set_policy(policy)
+    _, out = run(bn, x_low, dtype)
+    assert out.dtype is dtype  # input dtype and autocast dtype agree here
+    # Within one rounding of the correctly rounded result: at most one ulp of ``dtype``.
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.double(), ref_out, rtol=eps, atol=1e-5)
+    torch.testing.assert_close(bn.running_mean, ref.running_mean.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(bn.running_var, ref.running_var.float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "input", "autocast"])
+def test_output_dtype_follows_policy_when_input_and_autocast_dtypes_differ(policy):
+    bn, x = make_bn("2d")
+    amp_bn_fix.set_policy(policy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bn(x.half())
+    expected = {"fp32": torch.float32, "input": torch.float16, "autocast": torch.bfloat16}[policy]
+    assert out.dtype is expected
+
+
+@pytest.mark.parametrize("kind", ["1d", "2d", "3d"])
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("policy", ["fp32", "input"])
+def test_gradients_match_fp64(kind, dtype, training, policy):
+    bn, x = make_bn(kind)
+    bn.train(training)
+    x_low = x.to(dtype)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    ref, x_ref, _ = reference(bn, x_low, grad_out.to(dtype) if policy == "input" else grad_out)
+    amp_bn_fix.set_policy(policy)
+    x_in, _ = run(bn, x_low, dtype, grad_out)
+    assert x_in.grad.dtype is dtype and bn.weight.grad.dtype is torch.float32
+    eps = torch.finfo(dtype).eps
+    # The input gradient is stored in ``dtype``: one rounding of it. Parameter gradients are FP32
+    # reductions; under the ``input`` policy the incoming gradient is itself low precision.
+    torch.testing.assert_close(x_in.grad.double(), x_ref.grad, rtol=2 * eps, atol=eps)
+    param_tol = 1e-4 if policy == "fp32" else 4 * eps
+    scale = ref.weight.grad.abs().max().item()
+    assert max_err(bn.weight.grad, ref.weight.grad) < param_tol * scale
+    assert max_err(bn.bias.grad, ref.bias.grad) < param_tol * ref.bias.grad.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+def test_half_weight_and_bias_compute_in_fp32_and_get_their_gradients(dtype):
+    bn, x = make_bn("2d")
+    x_low = x.to(dtype)
+    weight = bn.weight.detach().to(dtype).requires_grad_()
+    bias = bn.bias.detach().to(dtype).requires_grad_()
+    running_mean, running_var = bn.running_mean.clone(), bn.running_var.clone()
+    with torch.autocast("cpu", dtype=dtype):
+        out = F.batch_norm(x_low, running_mean, running_var, weight, bias, training=True)
+    out.sum().backward()
+    assert out.dtype is torch.float32
+    assert weight.grad.dtype is dtype and bias.grad.dtype is dtype
+    rm64, rv64 = bn.running_mean.double(), bn.running_var.double()
+    w64 = weight.detach().double().requires_grad_()
+    b64 = bias.detach().double().requires_grad_()
+    ref = original_batch_norm()(x_low.double(), rm64, rv64, w64, b64, training=True)
+    ref.sum().backward()
+    assert max_err(out, ref) < 2e-5
+    torch.testing.assert_close(running_mean, rm64.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(running_var, rv64.float(), rtol=1e-6, atol=1e-6)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=eps, atol=1e-3)
+    torch.testing.assert_close(bias.grad.double(), b64.grad, rtol=eps, atol=eps)
+
+
+def test_running_stats_are_the_same_objects_and_stay_fp32():
+    bn, x = make_bn("2d")
+    mean, var = bn.running_mean, bn.running_var
+    before = mean.clone()
+    for dtype in LOW:
+        with torch.autocast("cpu", dtype=dtype):
+            bn(x.to(dtype))
+    assert bn.running_mean is mean and bn.running_var is var
+    assert mean.dtype is torch.float32 and var.dtype is torch.float32
+    assert not torch.equal(mean, before)
+
+
+def test_half_running_stats_are_updated_in_place_with_fp32_arithmetic():
+    """Stats that arrive in half precision (a model cast by hand) get the FP32 update, rounded once."""
+    bn, x = make_bn("2d")
+    x_low = x.to(torch.bfloat16)
+    mean = bn.running_mean.to(torch.bfloat16)
+    var = bn.running_var.to(torch.bfloat16)
+    mean64, var64 = mean.double(), var.double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        F.batch_norm(x_low, mean, var, bn.weight, bn.bias, training=True)
+    original_batch_norm()(x_low.double(), mean64, var64, training=True)
+    assert mean.dtype is torch.bfloat16
+    torch.testing.assert_close(mean, mean64.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(var, var64.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_fp64_reference_agrees_with_numpy():
+    """The reference itself: training-mode batch norm written out in numpy."""
+    bn, x = make_bn("2d")
+    ref, _, ref_out = reference(bn, x.to(torch.bfloat16))
+    a = x.to(torch.bfloat16).double().numpy()
+    mean = a.mean(axis=(0, 2, 3), keepdims=True)
+    var = a.var(axis=(0, 2, 3), keepdims=True)
+    w = bn.weight.detach().double().numpy().reshape(1, -1, 1, 1)
+    b = bn.bias.detach().double().numpy().reshape(1, -1, 1, 1)
+    expected = (a - mean) / np.sqrt(var + bn.eps) * w + b
+    np.testing.assert_allclose(ref_out.detach().numpy(), expected, rtol=1e-12, atol=1e-12)
+    n = a.size / a.shape[1]
+    running_var = 0.9 * bn.running_var.double().numpy() + 0.1 * var.ravel() * n / (n - 1)
+    np.testing.assert_allclose(ref.running_var.numpy(), running_var, rtol=1e-12)
+
+
+def test_bind_has_the_signature_of_f_batch_norm():
+    import inspect
+
+    ours = inspect.signature(_policy.bind)
+    theirs = inspect.signature(original_batch_norm())
+    assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == [
+        (p.name, p.default, p.kind) for p in theirs.parameters.values()
+    ]
+
+
+def test_policy_logic_is_stateless_and_device_agnostic():
+    """``output_dtype`` depends only on its arguments and the autocast state of the input's device."""
+    call = _policy.bind(torch.zeros(2, 3, dtype=torch.bfloat16), None, None)
+    assert _policy.output_dtype("fp32", call) is None  # no autocast, nothing mixed
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert _policy.output_dtype("fp32", call) is torch.float32
+        assert _policy.output_dtype("input", call) is torch.bfloat16
+        assert _policy.output_dtype("autocast", call) is torch.float16
+        assert _policy.output_dtype("off", call) is None
+    meta = _policy.bind(torch.zeros(2, 3, dtype=torch.bfloat16, device="meta"), None, None)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert _policy.output_dtype("fp32", meta) is None  # autocast is on for cpu, not meta
+    assert _patch.active_policy() == "fp32"
