@@ -4,9 +4,9 @@
 ``.cuda()``, ``.type(...)``): it calls ``fn`` on each parameter, gradient and buffer and stores the
 results. :func:`apply_keeping_fp32` hands the original a ``fn`` that, for the tensors to keep, turns a
 16-bit result into float32 on the device the conversion chose, converting from the tensor as it was
-before, so values never round-trip through half (16-bit tensors from before the shim are upcast). torch's own code still decides how each result is
-stored (``.data`` assignment, a new Parameter, or a swap), so Parameter identity, gradients and
-optimizer references behave exactly as they do in torch.
+before, so values never round-trip through half (16-bit tensors from before the shim are upcast).
+torch's own code still decides how each result is stored (``.data`` assignment, a new Parameter, or
+a swap), so Parameter identity, gradients and optimizer references behave exactly as in torch.
 
 Stateless: the runtime (``_patch``) passes in the original ``_apply`` and the keep mode.
 """
@@ -33,7 +33,10 @@ def _kept_ids(module: torch.nn.Module, keep: str) -> Set[int]:
     return {id(t) for t in tensors if t is not None}
 
 
-def _split_fn(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Callable[[torch.Tensor], torch.Tensor], Tuple[Any, ...], Dict[str, Any]]:
+_Fn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _split_fn(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[_Fn, Tuple[Any, ...], Dict[str, Any]]:
     # ``Module._apply(self, fn, recurse=True)``: ``fn`` may come by position or by name.
     if args:
         return args[0], args[1:], kwargs
@@ -53,8 +56,8 @@ def apply_keeping_fp32(
     ``keep`` is ``"stats"`` (running_mean, running_var), ``"all"`` (also weight, bias and their
     gradients) or ``"none"`` (torch's behaviour). Casts to float32/float64 are untouched.
     """
-    if keep == "none":
-        return original(*args, **kwargs)
+    if keep == "none" or not (args or "fn" in kwargs):
+        return original(*args, **kwargs)  # a malformed call raises torch's own error
     fn, rest, rest_kwargs = _split_fn(args, kwargs)
     kept = _kept_ids(module, keep)
 

@@ -102,7 +102,9 @@ def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], 
         new = tuple(torch.where(finite, n, s.to(torch.float32)) for s, n in zip(stats, new))
     for stat, value in zip(stats, new):
         if value is not stat:
-            stat.copy_(value)
+            # Through ``.data``, like the native kernels' update, the write bumps no version
+            # counter: an earlier eval-mode call may have saved ``stat`` for its backward.
+            stat.data.copy_(value)
 
 
 def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard: bool) -> torch.Tensor:

@@ -1,0 +1,321 @@
+"""Casting a model to 16-bit keeps BatchNorm running stats FP32 (AMP_BN_FIX_KEEP_FP32)."""
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import amp_bn_fix
+from amp_bn_fix import _config, _patch
+
+# Not representable in float16/bfloat16: a round trip through half would change them.
+MEAN = torch.tensor([1 / 3, -2 / 7, 1e-4 + 1 / 9, 1000.1])
+VAR = torch.tensor([1 / 7, 3.3333, 1e-5 + 0.1, 2048.3])
+
+CASTS = {
+    "half": lambda m: m.half(),
+    "bfloat16": lambda m: m.bfloat16(),
+    "to(float16)": lambda m: m.to(torch.float16),
+    "to(device, float16)": lambda m: m.to("cpu", torch.float16),
+    "to(dtype=bfloat16)": lambda m: m.to(dtype=torch.bfloat16),
+    "to(tensor)": lambda m: m.to(torch.zeros(1, dtype=torch.float16)),
+    "type(float16)": lambda m: m.type(torch.float16),
+}
+CAST_DTYPES = {
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "to(float16)": torch.float16,
+    "to(device, float16)": torch.float16,
+    "to(dtype=bfloat16)": torch.bfloat16,
+    "to(tensor)": torch.float16,
+    "type(float16)": torch.float16,
+}
+
+
+def _materialized_lazy() -> nn.Module:
+    bn = nn.LazyBatchNorm1d()
+    bn(torch.randn(8, 4))
+    return bn
+
+
+BN_FACTORIES = {
+    "BatchNorm1d": lambda: nn.BatchNorm1d(4),
+    "BatchNorm2d": lambda: nn.BatchNorm2d(4),
+    "BatchNorm3d": lambda: nn.BatchNorm3d(4),
+    "SyncBatchNorm": lambda: nn.SyncBatchNorm(4),
+    "LazyBatchNorm1d": _materialized_lazy,
+}
+
+
+def _model(kind: str = "BatchNorm1d") -> nn.Sequential:
+    """A BN module with known stats inside a container, so the parent's recursive cast reaches it."""
+    bn = BN_FACTORIES[kind]()
+    with torch.no_grad():
+        bn.running_mean.copy_(MEAN)
+        bn.running_var.copy_(VAR)
+        bn.num_batches_tracked.fill_(7)
+    return nn.Sequential(nn.Linear(4, 4), bn)
+
+
+def _keep(mode: str) -> None:
+    _patch.configure(_patch.current_config().replace(keep_fp32=mode))
+
+
+@pytest.mark.parametrize("kind", sorted(BN_FACTORIES))
+@pytest.mark.parametrize("cast", sorted(CASTS))
+def test_cast_keeps_running_stats_fp32_with_exact_values(cast, kind):
+    model = CASTS[cast](_model(kind))
+    bn = model[1]
+    assert bn.running_mean.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+    # Exactly the FP32 values from before: no round trip through half.
+    assert torch.equal(bn.running_mean, MEAN) and torch.equal(bn.running_var, VAR)
+    assert bn.running_mean.device.type == "cpu"
+    # Parameters are cast as in torch; the step counter is untouched.
+    assert bn.weight.dtype == CAST_DTYPES[cast] and model[0].weight.dtype == CAST_DTYPES[cast]
+    # Module.type() casts integer buffers too, as in torch; every other cast leaves them alone.
+    count_dtype = torch.float16 if cast == "type(float16)" else torch.long
+    assert bn.num_batches_tracked.dtype == count_dtype and bn.num_batches_tracked.item() == 7
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cast", [lambda m: m.cuda().half(), lambda m: m.to("cuda", torch.bfloat16)])
+def test_cast_to_cuda_keeps_fp32_stats_on_the_new_device(cast):
+    bn = cast(_model())[1]
+    assert bn.running_mean.device.type == "cuda" and bn.running_mean.dtype == torch.float32
+    assert torch.equal(bn.running_mean.cpu(), MEAN) and torch.equal(bn.running_var.cpu(), VAR)
+
+
+def test_without_the_shim_torch_casts_running_stats_to_half():
+    """The behaviour the shim changes (so the test above would fail without it)."""
+    amp_bn_fix.disable()
+    bn = _model()[1].half()
+    assert bn.running_mean.dtype == torch.float16
+    assert not torch.equal(bn.running_mean.float(), MEAN)
+
+
+def test_lazy_module_cast_before_materialization_gets_fp32_stats():
+    bn = nn.LazyBatchNorm1d().half()
+    out = bn(torch.randn(8, 4).half())
+    assert bn.running_mean.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+    assert bn.weight.dtype == torch.float16 and out.dtype == torch.float16
+
+
+def test_meta_model_materialized_with_to_empty_gets_fp32_stats():
+    amp_bn_fix.disable()
+    bn = nn.BatchNorm1d(4, device="meta").half()  # 16-bit meta stats from before the shim
+    amp_bn_fix.enable()
+    bn.to_empty(device="cpu")
+    bn.reset_running_stats()
+    assert bn.running_mean.device.type == "cpu" and bn.running_mean.dtype == torch.float32
+    assert torch.equal(bn.running_var, torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    "cast",
+    [
+        lambda m: m.double(),
+        lambda m: m.float(),
+        lambda m: m.to(torch.float64),
+        lambda m: m.half().float(),
+        lambda m: m.half().double(),
+        lambda m: m.cpu(),
+    ],
+)
+def test_float32_and_float64_casts_behave_as_in_torch(cast):
+    shimmed = cast(_model())
+    amp_bn_fix.disable()
+    plain = cast(_model())
+    amp_bn_fix.enable()
+    for name in ("running_mean", "running_var", "weight", "bias", "num_batches_tracked"):
+        got, want = getattr(shimmed[1], name), getattr(plain[1], name)
+        assert got.dtype == want.dtype, name
+    # The shim kept FP32 stats through .half(), so nothing was rounded on the way back up.
+    assert torch.equal(shimmed[1].running_mean.double(), MEAN.double())
+
+
+def test_instance_norm_is_out_of_scope():
+    """F.instance_norm is not shimmed, so its stats must follow its (16-bit) input as in torch."""
+    norm = nn.InstanceNorm1d(4, track_running_stats=True).half()
+    assert norm.running_mean.dtype == torch.float16
+
+
+@pytest.mark.parametrize("conversion", ["set_data", "overwrite", "swap"])
+def test_keep_all_keeps_weight_bias_and_grads_fp32_like_apex_o2(conversion):
+    _keep("all")
+    overwrite, swap = conversion == "overwrite", conversion == "swap"
+    old_overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    old_swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        model = _model()
+        bn = model[1]
+        with torch.no_grad():
+            bn.weight.copy_(MEAN)
+        model(torch.randn(8, 4)).sum().backward()
+        weight, grad = bn.weight, bn.weight.grad
+        grad_values = grad.clone()
+        model.half()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(old_overwrite)
+        torch.__future__.set_swap_module_params_on_conversion(old_swap)
+    bn = model[1]
+    for tensor in (bn.weight, bn.bias, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var):
+        assert tensor.dtype == torch.float32
+    assert torch.equal(bn.weight, MEAN) and torch.equal(bn.weight.grad, grad_values)
+    assert model[0].weight.dtype == torch.float16 and model[0].weight.grad.dtype == torch.float16
+    # Parameter objects are kept exactly where torch keeps them (not under "overwrite").
+    assert (bn.weight is weight) is (not overwrite)
+    assert bn.weight.grad is grad
+
+
+def test_keep_all_optimizer_still_updates_the_kept_parameters():
+    _keep("all")
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.half()
+    before = model[1].weight.detach().clone()
+    model(torch.randn(8, 4).half()).float().pow(2).sum().backward()
+    optimizer.step()
+    assert model[1].weight.dtype == torch.float32
+    assert not torch.equal(model[1].weight.detach(), before)
+
+
+def test_keep_stats_leaves_weight_and_bias_to_torch():
+    model = _model().half()
+    assert model[1].weight.dtype == torch.float16 and model[1].bias.dtype == torch.float16
+    assert model[1].running_var.dtype == torch.float32
+
+
+def test_keep_none_is_torchs_behaviour():
+    _keep("none")
+    bn = _model()[1].half()
+    assert bn.running_mean.dtype == torch.float16 and torch.equal(bn.running_mean, MEAN.half())
+
+
+def test_keep_mode_is_read_at_cast_time():
+    model = _model()
+    _keep("none")
+    model.half()
+    assert model[1].running_mean.dtype == torch.float16
+    _keep("stats")
+    model.bfloat16()  # a later cast upcasts the already 16-bit stats (exactly)
+    assert model[1].running_mean.dtype == torch.float32
+    assert torch.equal(model[1].running_mean, MEAN.half().float())
+
+
+def test_policy_off_casts_as_in_torch():
+    """Policy off runs BatchNorm natively, and native kernels reject half weights with FP32 stats."""
+    amp_bn_fix.set_policy("off")
+    assert _model()[1].half().running_mean.dtype == torch.float16
+    with amp_bn_fix.policy("fp32"):
+        assert _model()[1].half().running_mean.dtype == torch.float32
+
+
+def test_env_keep_all_is_honoured_at_import():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
+    env["AMP_BN_FIX_KEEP_FP32"] = "all"
+    code = (
+        "import torch, amp_bn_fix\n"
+        "bn = torch.nn.BatchNorm1d(3).half()\n"
+        "print(bn.weight.dtype, bn.running_mean.dtype)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["torch.float32", "torch.float32"]
+
+
+def test_bad_keep_value_names_the_allowed_ones():
+    with pytest.raises(ValueError, match="AMP_BN_FIX_KEEP_FP32='half'.*stats, all, none"):
+        _config.from_env({"AMP_BN_FIX_KEEP_FP32": "half"})
+
+
+def test_disable_restores_torchs_cast_and_enable_brings_it_back():
+    amp_bn_fix.disable()
+    assert "_apply" not in _BatchNorm.__dict__  # the very original: inherited from Module
+    assert _model()[1].half().running_mean.dtype == torch.float16
+    amp_bn_fix.enable()
+    assert _model()[1].half().running_mean.dtype == torch.float32
+
+
+def _round_trip(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def test_checkpoint_from_shimmed_half_model_loads_into_plain_torch():
+    shimmed = _model().half()
+    state = _round_trip(shimmed.state_dict())
+    assert state["1.running_mean"].dtype == torch.float32
+    amp_bn_fix.disable()
+    plain_fp32 = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    plain_fp32.load_state_dict(state)  # strict: same keys
+    assert torch.equal(plain_fp32[1].running_mean, MEAN) and torch.equal(plain_fp32[1].running_var, VAR)
+    assert plain_fp32[1].num_batches_tracked.item() == 7
+    plain_half = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half()
+    plain_half.load_state_dict(state)
+    assert plain_half[1].running_mean.dtype == torch.float16
+    assert torch.equal(plain_half[1].running_mean, MEAN.half())
+    assert torch.equal(plain_half[1].weight, shimmed[1].weight)
+
+
+def test_old_all_half_checkpoint_loads_into_shimmed_model_as_fp32_stats():
+    amp_bn_fix.disable()
+    old = _round_trip(_model().half().state_dict())
+    assert old["1.running_mean"].dtype == torch.float16
+    amp_bn_fix.enable()
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half()
+    model.load_state_dict(old)
+    bn = model[1]
+    assert bn.running_mean.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+    assert torch.equal(bn.running_mean, old["1.running_mean"].float())
+    assert torch.equal(bn.running_var, old["1.running_var"].float())
+    assert bn.num_batches_tracked.item() == 7
+
+
+def test_fp32_checkpoint_into_shimmed_half_model_loses_nothing():
+    amp_bn_fix.disable()
+    state = _round_trip(_model().state_dict())
+    amp_bn_fix.enable()
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half()
+    model.load_state_dict(state)
+    assert torch.equal(model[1].running_mean, MEAN) and torch.equal(model[1].running_var, VAR)
+
+
+def _stats_after_training(model: nn.Module, batches, dtype) -> torch.Tensor:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for x in batches:
+        optimizer.zero_grad()
+        model(x.to(dtype)).float().pow(2).mean().backward()
+        optimizer.step()
+    return torch.stack([model.running_mean.double(), model.running_var.double()])
+
+
+def test_half_model_running_stats_track_fp64_far_better_than_torch():
+    """Features with a large offset: updates smaller than a float16 step are lost in half stats."""
+    generator = torch.Generator().manual_seed(0)
+    channels = 16
+    offset = torch.linspace(50, 500, channels)
+    scale = torch.linspace(1, 30, channels)
+    batches = [(offset + scale * torch.randn(64, channels, generator=generator)).half() for _ in range(300)]
+
+    reference = _stats_after_training(nn.BatchNorm1d(channels).double(), batches, torch.float64)
+    shimmed = _stats_after_training(nn.BatchNorm1d(channels).half(), batches, torch.float16)
+    amp_bn_fix.disable()
+    plain = _stats_after_training(nn.BatchNorm1d(channels).half(), batches, torch.float16)
+
+    def rel_error(stats):
+        return ((stats - reference).abs() / reference.abs()).max().item()
+
+    shim_error, torch_error = rel_error(shimmed), rel_error(plain)
+    print(f"\nmax relative error of running stats vs fp64 after 300 steps: "
+          f"shim (FP32 stats) {shim_error:.2e}, torch all-half {torch_error:.2e}, "
+          f"ratio {torch_error / shim_error:.0f}x")
+    assert shim_error < 1e-5
+    assert torch_error > 100 * shim_error

@@ -1,0 +1,263 @@
+"""The guard: a training step with non-finite batch statistics leaves the running stats untouched."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_bn_fix
+from amp_bn_fix import _patch
+
+C = 8
+BAD = [float("inf"), float("-inf"), float("nan")]
+
+
+def _batch(seed, dtype=torch.float32, bad=None):
+    x = 2 + 3 * torch.randn(32, C, generator=torch.Generator().manual_seed(seed))
+    if bad is not None:
+        x[5, 3] = bad
+    return x.to(dtype)
+
+
+def _bn(seed=0):
+    bn = nn.BatchNorm1d(C)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(C, generator=torch.Generator().manual_seed(seed)))
+        bn.running_var.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(seed + 1))
+    return bn
+
+
+def _stats(bn):
+    return bn.running_mean.detach().clone(), bn.running_var.detach().clone()
+
+
+def _fp64_update(stats, x, momentum=0.1):
+    """Running stats after one training step, computed in float64 on the same input values."""
+    mean, var = (s.double().clone() for s in stats)
+    F.batch_norm(x.double(), mean, var, training=True, momentum=momentum)
+    return mean, var
+
+
+def _guard(on):
+    _patch.configure(_patch.current_config().replace(guard=on))
+
+
+# Every kind of call the shim handles: (how to prepare the module, input dtype, under autocast).
+HANDLED = {
+    "autocast-bf16": (lambda bn: bn, torch.bfloat16, True),
+    "autocast-fp16": (lambda bn: bn, torch.float16, True),
+    "half-model": (lambda bn: bn.half(), torch.float16, False),
+    "half-model-bf16": (lambda bn: bn.bfloat16(), torch.bfloat16, False),
+    "keep-all-model": (lambda bn: bn.half(), torch.float16, False),
+}
+
+
+def _prepare(case):
+    if case == "keep-all-model":
+        _patch.configure(_patch.current_config().replace(keep_fp32="all"))
+    prepare, dtype, autocast = HANDLED[case]
+    return prepare(_bn()), dtype, autocast
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("case", sorted(HANDLED))
+def test_non_finite_batch_leaves_stats_exactly_and_next_batch_updates(case, bad):
+    bn, dtype, autocast = _prepare(case)
+    before = _stats(bn)
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        out = bn(_batch(1, dtype, bad))
+    assert not torch.isfinite(out).all()  # GradScaler still sees the bad step
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+    good = _batch(2, dtype)
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        bn(good)
+    want_mean, want_var = _fp64_update(before, good)
+    torch.testing.assert_close(bn.running_mean.double(), want_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(bn.running_var.double(), want_var, rtol=1e-6, atol=1e-6)
+
+
+def test_half_stats_model_under_autocast_is_guarded_too():
+    """A module built with 16-bit stats (outside the shim's casts) is handled under autocast."""
+    bn = nn.BatchNorm1d(C, dtype=torch.bfloat16)
+    before = _stats(bn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bn(_batch(1, torch.bfloat16, float("inf")))
+    assert bn.running_mean.dtype == torch.bfloat16
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+
+
+@pytest.mark.parametrize("case", sorted(HANDLED))
+def test_guard_off_lets_the_bad_batch_corrupt_the_stats(case):
+    _guard(False)
+    bn, dtype, autocast = _prepare(case)
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        bn(_batch(1, dtype, float("inf")))
+    assert not torch.isfinite(bn.running_mean).all() or not torch.isfinite(bn.running_var).all()
+
+
+@pytest.mark.parametrize(
+    "dtype, autocast, policy",
+    [
+        (torch.float32, False, "fp32"),  # fp32 input outside autocast
+        (torch.float32, True, "fp32"),  # fp32 input under autocast (not a low-precision input)
+        (torch.float64, False, "fp32"),
+        (torch.bfloat16, True, "off"),  # policy off: untouched
+        (torch.bfloat16, False, "fp32"),  # all-16-bit call outside autocast: not mixed, native
+    ],
+)
+def test_pass_through_calls_stay_bitwise_native(dtype, autocast, policy):
+    """The guard covers handled calls only; everything else is torch's own call, bad batch and all."""
+    x = _batch(1, dtype, float("inf"))
+    amp_bn_fix.disable()
+    modules = [_bn().to(dtype), _bn().to(dtype)]  # identical, all in the input's dtype
+    results = []
+    for bn, enabled in zip(modules, (True, False)):
+        if enabled:
+            amp_bn_fix.enable()
+        else:
+            amp_bn_fix.disable()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), amp_bn_fix.policy(policy):
+            out = bn(x)
+        results.append((out, bn.running_mean, bn.running_var))
+    for shimmed, native in zip(*results):
+        assert shimmed.dtype == native.dtype
+        assert torch.equal(shimmed.nan_to_num(), native.nan_to_num())
+        assert torch.equal(shimmed.isnan(), native.isnan())
+    assert not torch.isfinite(results[0][1]).all()  # unguarded, exactly as in torch
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("case", sorted(HANDLED))
+def test_backward_with_the_guard(case, guard):
+    """No tensor saved for backward is modified in place afterwards (as torch's kernels do)."""
+    _guard(guard)
+    bn, dtype, autocast = _prepare(case)
+    reference = copy.deepcopy(_bn()).double()
+    x = _batch(3, dtype)
+    upstream = torch.randn(32, C, generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        # Two forwards before one backward (a siamese network, or real and fake batches in a GAN).
+        out = bn(x) + bn(_batch(5, dtype))
+    upstream = upstream.to(out.dtype)  # the gradient as the half output receives it
+    out.backward(upstream)
+    ref = reference(x.double()) + reference(_batch(5, dtype).double())
+    ref.backward(upstream.double())
+    # Half parameters accumulate the two branches' half gradients (|each| ~ 5): a few roundings.
+    rtol, atol = (2e-2, 8e-2) if dtype is torch.bfloat16 else (2e-3, 1e-2)
+    torch.testing.assert_close(bn.weight.grad.double(), reference.weight.grad, rtol=rtol, atol=atol)
+    torch.testing.assert_close(bn.bias.grad.double(), reference.bias.grad, rtol=rtol, atol=atol)
+    torch.testing.assert_close(bn.running_var.double(), reference.running_var, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("case", sorted(HANDLED))
+def test_backward_through_an_eval_call_after_the_stats_were_updated(case, guard):
+    """An eval call saves the running stats for backward; a later training call updates them.
+
+    torch's kernels update running stats without bumping their version counter, so this works
+    natively (a mean teacher, or validation inside a step); a write-back must not break it.
+    """
+    _guard(guard)
+    bn, dtype, autocast = _prepare(case)
+    x = _batch(1, dtype).requires_grad_()
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        bn.eval()
+        first = bn(x)
+        bn.train()
+        second = bn(_batch(2, dtype))
+    (first.float().sum() + second.float().sum()).backward()
+    # As torch computes it: the eval call's backward reads the running variance at backward time.
+    scale = bn.weight.double() / (bn.running_var.double() + bn.eps).sqrt()
+    torch.testing.assert_close(x.grad.double(), scale.expand(x.shape), rtol=1e-2, atol=1e-2)
+
+
+def test_eval_mode_reads_the_stats_and_never_touches_them():
+    bn = _bn().eval()
+    before = _stats(bn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bn(_batch(1, torch.bfloat16, float("nan")))
+    assert torch.isnan(out).any() and torch.isfinite(out).any()
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_guard_compiles_with_fullgraph(backend):
+    torch._dynamo.reset()
+    bn = _bn()
+    compiled = torch.compile(bn, backend=backend, fullgraph=True)
+    stats = _stats(bn)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for seed, bad in [(1, None), (2, float("inf")), (3, None), (4, float("nan"))]:
+                x = _batch(seed, torch.bfloat16, bad)
+                out = compiled(x)
+                out.sum().backward()
+                if bad is None:
+                    stats = _fp64_update(stats, x)
+                    assert torch.isfinite(out).all()
+                else:
+                    assert not torch.isfinite(out).all()
+                torch.testing.assert_close(bn.running_mean.double(), stats[0], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(bn.running_var.double(), stats[1], rtol=1e-6, atol=1e-6)
+        assert out.dtype == torch.float32 and bn.weight.grad is not None
+    finally:
+        torch._dynamo.reset()
+
+
+def _train(batches, guard, skip=None):
+    """An AMP training loop on CPU: float16 autocast, GradScaler, SGD."""
+    _guard(guard)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(C, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    skipped = 0
+    for index, (x, y) in enumerate(batches):
+        if index == skip:
+            continue
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(model(x).float(), y)
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped += scaler.get_scale() < scale  # the scaler backs off when it skips a step
+    return model, skipped
+
+
+def test_gradscaler_loop_with_one_inf_batch_equals_a_run_that_skipped_it():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(_batch(seed), torch.randn(32, 1, generator=generator)) for seed in range(12)]
+    bad = 5
+    batches[bad] = (_batch(bad, bad=float("inf")), batches[bad][1])
+
+    guarded, skipped = _train(batches, guard=True)
+    clean, clean_skipped = _train(batches, guard=True, skip=bad)
+    assert (skipped, clean_skipped) == (1, 0)
+    bn, clean_bn = guarded[1], clean[1]
+    assert torch.isfinite(bn.running_mean).all() and torch.isfinite(bn.running_var).all()
+    assert torch.equal(bn.running_mean, clean_bn.running_mean)
+    assert torch.equal(bn.running_var, clean_bn.running_var)
+    for param, clean_param in zip(guarded.parameters(), clean.parameters()):
+        assert torch.equal(param, clean_param)
+    # The step counter still counts the skipped batch (it only matters for momentum=None).
+    assert bn.num_batches_tracked.item() == clean_bn.num_batches_tracked.item() + 1
+
+    unguarded, _ = _train(batches, guard=False)
+    assert not torch.isfinite(unguarded[1].running_mean).all()
+
+
+@pytest.mark.cuda
+def test_guard_never_synchronizes_the_device():
+    bn = _bn().cuda()
+    x = _batch(1, bad=float("inf")).cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.float16):
+            bn(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(bn.running_mean).all()
