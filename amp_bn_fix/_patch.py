@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional
 import wrapt
 
-from . import _buffers, _policy
+from . import _buffers, _policy, _sync
 from ._config import Config
 
 log = logging.getLogger("amp_bn_fix")
@@ -41,12 +41,13 @@ _script_warned = False
 
 
 def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-    thread = _thread
-    if thread.inside:
-        return wrapped(*args, **kwargs)
+    # The dtype test comes first: most calls are FP32 and leave after it, without the thread-local read.
     input = args[0] if args else kwargs.get("input")
     dtype = getattr(input, "dtype", None)
     if dtype is not _F16 and dtype is not _BF16:
+        return wrapped(*args, **kwargs)
+    thread = _thread
+    if thread.inside:
         return wrapped(*args, **kwargs)
     return _handle_low_precision(wrapped, args, kwargs, thread)
 
@@ -118,6 +119,8 @@ def _targets() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (torch.nn.functional, "batch_norm", _batch_norm_wrapper),
         (torch.jit, "script", _script_wrapper),
         (torch.nn.modules.batchnorm._BatchNorm, "_apply", _module_apply_wrapper),
+        # nn.SyncBatchNorm's syncing path (more than one rank) bypasses F.batch_norm.
+        (torch.nn.modules._functions.SyncBatchNorm, "apply", _sync.wrapper(_thread, current_config)),
     ]
 
 

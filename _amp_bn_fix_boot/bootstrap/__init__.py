@@ -1,0 +1,1 @@
+"""The folder ``amp-bn-fix run`` puts first on ``PYTHONPATH``; only its sitecustomize matters."""

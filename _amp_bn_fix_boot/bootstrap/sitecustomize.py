@@ -1,0 +1,38 @@
+"""Run at start-up by ``amp-bn-fix run``: start amp_bn_fix's hook, then the sitecustomize this shadows.
+
+Python imports the first ``sitecustomize`` on the path; a system (Debian ships one) or a user's own
+must still run, so this one imports the next one found once its own folder is off the path.
+"""
+
+import os
+import sys
+
+
+def _start_hook() -> None:
+    try:
+        from _amp_bn_fix_boot import hook
+    except ImportError:
+        import logging
+
+        logging.getLogger("amp_bn_fix").warning(
+            "amp_bn_fix: not installed for %s; running without the shim", sys.executable
+        )
+        return
+    hook.start()
+
+
+def _chain() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = sys.modules.pop("sitecustomize", None)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    try:
+        import sitecustomize  # noqa: F401  (the next one on the path)
+    except ModuleNotFoundError as exc:
+        if exc.name != "sitecustomize":
+            raise
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+
+
+_start_hook()
+_chain()

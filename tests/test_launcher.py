@@ -1,0 +1,146 @@
+"""``amp-bn-fix run -- CMD``: the command and every Python process it starts get the shim."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from _amp_bn_fix_boot import launcher
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONSOLE_SCRIPT = shutil.which("amp-bn-fix", path=os.path.dirname(sys.executable))
+
+# What a Python process started by the launcher sees.
+PROBE = """
+import builtins, json, os, sys
+import torch
+import torch.nn.functional as F
+import wrapt
+from torch import nn
+
+depth, function = 0, F.batch_norm
+while isinstance(function, wrapt.FunctionWrapper):
+    depth, function = depth + 1, function.__wrapped__
+net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    out = net(torch.randn(8, 4))
+print(json.dumps({
+    "wrappers": depth,
+    "bn_out": str(out.dtype),
+    "sitecustomize": getattr(sys.modules.get("sitecustomize"), "__file__", None),
+    "user_sitecustomize": getattr(builtins, "USER_SITECUSTOMIZE", None),
+}))
+"""
+
+
+def amp_bn_fix(*args, env=None):
+    assert CONSOLE_SCRIPT, "the amp-bn-fix console script is not installed next to this interpreter"
+    return subprocess.run(
+        [CONSOLE_SCRIPT, *args], env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=120
+    )
+
+
+def report(result):
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_run_enables_the_shim_in_the_command_with_the_given_settings():
+    got = report(amp_bn_fix("run", "--policy", "input", "--", sys.executable, "-c", PROBE))
+    # The installed .pth and the launcher's sitecustomize both start the hook: still one wrapper.
+    assert got["wrappers"] == 1
+    assert got["bn_out"] == "torch.bfloat16"
+    assert got["sitecustomize"] == os.path.join(launcher.BOOTSTRAP_DIR, "sitecustomize.py")
+
+
+def test_the_bootstrap_sitecustomize_alone_enables_the_shim():
+    # -S: no site, so no amp_bn_fix.pth; import the bootstrap sitecustomize as site would.
+    paths = [launcher.BOOTSTRAP_DIR, str(ROOT), sysconfig.get_paths()["purelib"]]
+    code = f"import sys; sys.path[:0] = {paths!r}; import sitecustomize\n" + PROBE
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        env={**os.environ, "AMP_BN_FIX": "1"}, capture_output=True, text=True, timeout=120,
+    )
+    got = report(result)
+    assert (got["wrappers"], got["bn_out"]) == (1, "torch.float32")
+
+
+def test_the_bootstrap_sitecustomize_warns_once_where_amp_bn_fix_is_not_installed(tmp_path):
+    # As in an interpreter of another environment: nothing of the package on its path.
+    code = f"import sys; sys.path.insert(0, {launcher.BOOTSTRAP_DIR!r}); import sitecustomize; print('ran')"
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code], env={**os.environ, "AMP_BN_FIX": "1"}, cwd=tmp_path,
+        capture_output=True, text=True, timeout=60,
+    )
+    assert (result.returncode, result.stdout.strip()) == (0, "ran")
+    (line,) = result.stderr.strip().splitlines()
+    assert "amp_bn_fix: not installed for" in line
+
+
+def test_run_chains_to_the_sitecustomize_it_shadows(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.USER_SITECUSTOMIZE = __file__\n")
+    got = report(amp_bn_fix("run", "--", sys.executable, "-c", PROBE, env={"PYTHONPATH": str(tmp_path)}))
+    assert got["user_sitecustomize"] == str(tmp_path / "sitecustomize.py")
+    assert got["sitecustomize"] == str(tmp_path / "sitecustomize.py")
+    assert got["bn_out"] == "torch.float32"
+
+
+def test_child_processes_inherit_it():
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {PROBE!r}], check=True)"
+    got = report(amp_bn_fix("run", "--devices", "cpu", "--", sys.executable, "-c", code))
+    assert (got["wrappers"], got["bn_out"]) == (1, "torch.float32")
+
+
+@pytest.mark.parametrize("via", ["console script", "python -m amp_bn_fix"])
+def test_the_exit_code_is_the_commands(via):
+    command = ["run", "--", sys.executable, "-c", "raise SystemExit(7)"]
+    if via == "console script":
+        result = amp_bn_fix(*command)
+    else:
+        result = subprocess.run([sys.executable, "-m", "amp_bn_fix", *command], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 7, result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--policy", "bogus", "--", "true"], {}, "invalid choice: 'bogus'"),
+        (["--devices", "gpu", "--", "true"], {}, "--devices='gpu' is not valid"),
+        (["--"], {}, "missing the command"),
+        (["--", "true"], {"AMP_BN_FIX_POLICY": "bogus"}, "AMP_BN_FIX_POLICY='bogus' is not valid"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(args, env, message):
+    result = amp_bn_fix("run", *args, env=env)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_missing_command_exits_127():
+    result = amp_bn_fix("run", "--", "no-such-command-amp-bn-fix")
+    assert result.returncode == 127
+    assert "no-such-command-amp-bn-fix" in result.stderr
+
+
+def test_run_imports_neither_torch_nor_amp_bn_fix():
+    code = (
+        "import os, sys\n"
+        "os.execvpe = lambda file, args, env: sys.exit(print(args, 'torch' in sys.modules, 'amp_bn_fix' in sys.modules))\n"
+        "from _amp_bn_fix_boot import launcher\n"
+        "launcher.main(['run', '--', 'true'])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["['true']", "False", "False"], result.stderr
+
+
+def test_environment_switches_the_shim_on_and_puts_the_bootstrap_first_once():
+    base = {"PYTHONPATH": os.pathsep.join(["/somewhere", launcher.BOOTSTRAP_DIR])}
+    env = launcher.environment("input", "cpu", base)
+    assert (env["AMP_BN_FIX"], env["AMP_BN_FIX_POLICY"], env["AMP_BN_FIX_DEVICES"]) == ("1", "input", "cpu")
+    assert env["PYTHONPATH"].split(os.pathsep) == [launcher.BOOTSTRAP_DIR, "/somewhere"]
+    assert launcher.environment(None, None, {})["PYTHONPATH"] == launcher.BOOTSTRAP_DIR
