@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from . import _kernels
 from ._compat import autocast_disabled, autocast_dtype, autocast_enabled
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -118,10 +119,20 @@ def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard
     updates = bool(training)
     work_mean = _working_stat(running_mean, updates, guard)
     work_var = _working_stat(running_var, updates, guard)
+    weight, bias = _fp32(weight), _fp32(bias)
     with autocast_disabled(input.device.type):
-        out = original(
-            input.float(), work_mean, work_var, _fp32(weight), _fp32(bias), training, momentum, eps
-        )
+        # The fast paths compute what the reference ``original(input.float(), ...)`` computes,
+        # without copying the input to FP32 for the statistics (see ``_kernels``).
+        if not _kernels.fast_path_applies(input, work_mean, work_var, weight, bias):
+            out = original(input.float(), work_mean, work_var, weight, bias, training, momentum, eps)
+        elif out_dtype is input.dtype and _kernels.mixed_kernel_exact(input):
+            out = _kernels.mixed_batch_norm(
+                original, input, work_mean, work_var, weight, bias, training, momentum, eps
+            )
+        elif updates and _kernels.fp32_train_eligible(input, work_mean, work_var, weight, bias, eps):
+            out = _kernels.fp32_train_batch_norm(input, work_mean, work_var, weight, bias, momentum, eps)
+        else:
+            out = original(input.float(), work_mean, work_var, weight, bias, training, momentum, eps)
     if updates and running_mean is not None and running_var is not None:
         if work_mean is not running_mean or work_var is not running_var:
             _write_back((running_mean, running_var), (work_mean, work_var), guard)

@@ -1,0 +1,151 @@
+"""Fast paths for a half-precision batch norm computed in FP32 (CPU).
+
+Both paths compute what the reference ``F.batch_norm(x.float(), ...)`` computes (FP32 statistics,
+normalization and running-stat update) without its cost. On CPU the FP32 training kernel is slow
+for NCHW inputs and a half-to-float copy costs about as much as a whole mixed-dtype batch norm,
+while the native mixed-dtype kernel (half input, FP32 parameters and statistics) accumulates in
+FP32, normalizes in FP32 and rounds once. Its statistics accumulate in float where the FP32
+kernel's accumulate in double: about 1e-5 relative error in the variance at 1e5 values per
+channel, far below one half-precision rounding.
+
+* :func:`mixed_batch_norm`: half output, the native mixed kernel, no copy of the input.
+* :func:`fp32_train_batch_norm`: FP32 output in training; FP32 batch statistics from the mixed
+  kernel's reduction, then one FP32 pass that normalizes, and the native FP32 backward.
+
+The callers run these with autocast disabled and with FP32 (or absent) parameters and statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch.overrides import has_torch_function_variadic
+
+_aten = torch.ops.aten
+
+
+def fast_path_applies(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether the fast paths may compute a call on ``tensors`` (input first).
+
+    They are measured and checked on CPU, in eager mode. Where ``F.batch_norm`` itself would hand
+    the call to ``__torch_function__`` (a tensor subclass or an active TorchFunctionMode), the
+    reference path runs instead, so such a mode sees the ``F.batch_norm`` call it would see
+    natively. So it does under ``torch.func`` transforms (vmap, grad), whose rules cover the native
+    op, and while compiling: ``batch_norm_update_stats`` updates the running stats in place
+    without declaring it in its schema, which functionalization would not see, and the compiler
+    fuses the reference computation anyway.
+    """
+    return (
+        tensors[0].is_cpu
+        and not has_torch_function_variadic(*tensors)
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def mixed_batch_norm(
+    original,
+    input: torch.Tensor,
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> torch.Tensor:
+    """A half-precision output computed in FP32 by the native mixed-dtype kernel.
+
+    ``original`` validates the call and raises its own errors. Only for a contiguous ``input``
+    (see :func:`mixed_kernel_exact`).
+    """
+    if weight is None and bias is None and running_mean is None and running_var is None and input.dim() >= 2:
+        # With no FP32 tensor in the call the kernel takes its all-half path, which rounds the
+        # batch statistics to half; one FP32 weight of ones makes it the mixed (FP32) kernel.
+        weight = torch.ones(input.shape[1], dtype=torch.float32, device=input.device)
+    return original(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def mixed_kernel_exact(input: torch.Tensor) -> bool:
+    """Whether the native mixed kernel computes forward and backward in FP32 for ``input``.
+
+    On CPU its backward for channels_last and other non-contiguous inputs rounds the gradient
+    sums to the input's dtype (bias gradients off by a half-precision rounding), so those
+    layouts take the reference path.
+    """
+    return input.is_contiguous()
+
+
+def fp32_train_eligible(
+    input: torch.Tensor,
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+) -> bool:
+    """Whether :func:`fp32_train_batch_norm` computes this training call.
+
+    Everything ``F.batch_norm`` would reject (one value per channel, ``eps <= 0``, a tensor of the
+    wrong size or device), and the empty batch it special-cases, goes to the reference path, so
+    errors and edge cases stay the original's.
+    """
+    shape = input.shape
+    if len(shape) < 2 or not eps > 0.0 or (running_mean is None) is not (running_var is None):
+        return False
+    values = input.numel() // shape[1] if shape[1] else 0
+    if values < 2:
+        return False
+    channels = (shape[1],)
+    return all(
+        t is None or (t.shape == channels and t.is_cpu) for t in (running_mean, running_var, weight, bias)
+    )
+
+
+class _NormalizeWithBatchStats(torch.autograd.Function):
+    """``(x - mean) * invstd * weight + bias`` with ``mean``/``var`` the batch statistics of ``x``.
+
+    The statistics come in detached; the backward is the training-mode one, so the gradient flows
+    through them as it does in ``F.batch_norm``. The backward is an ATen op with its own derivative,
+    so double backward works.
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                mean: torch.Tensor, var: torch.Tensor, eps: float) -> torch.Tensor:
+        # Inference mode of the FP32 kernel: one pass, fast for NCHW and channels_last alike.
+        out = torch.batch_norm(input, weight, bias, mean, var, False, 0.0, eps, False)
+        ctx.save_for_backward(input, weight, mean, torch.rsqrt(var + eps))
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        input, weight, mean, invstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_input, grad_weight, grad_bias = _aten.native_batch_norm_backward(
+            grad, input, weight, None, None, mean, invstd, True, ctx.eps, [needs[0], needs[1], needs[2]]
+        )
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def fp32_train_batch_norm(
+    input: torch.Tensor,
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    momentum: float,
+    eps: float,
+) -> torch.Tensor:
+    """Training-mode batch norm of a half ``input`` with an FP32 output.
+
+    ``running_mean``/``running_var`` (FP32 or both None) are updated in place as the native kernel
+    does (unbiased variance); the check :func:`fp32_train_eligible` must have passed.
+    """
+    if running_mean is None:
+        # Without FP32 statistics to update the reduction would return half-precision results.
+        running_mean, running_var = torch.zeros(2, input.shape[1], dtype=torch.float32).unbind()
+    mean, var = torch.batch_norm_update_stats(input.detach(), running_mean, running_var, momentum)
+    return _NormalizeWithBatchStats.apply(input.float(), weight, bias, mean, var, eps)

@@ -1,0 +1,421 @@
+"""The fast paths compute what the simple FP32 reference computes.
+
+Every handled call is checked against an fp64 computation and against the simple reference
+``F.batch_norm(x.float(), ...)`` run on the unpatched original: forward output, running stats and
+the gradients of input, weight and bias, over module kinds, memory layouts, train/eval, affine or
+not, tracked stats or not, half weights, float16/bfloat16 and every policy. A half-precision
+result may differ from the reference only by the one rounding of an FP32 value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amp_bn_fix
+from amp_bn_fix import _config, _patch
+
+ORIGINAL = F.batch_norm.__wrapped__
+HALF = [torch.float16, torch.bfloat16]
+HALF_IDS = ["fp16", "bf16"]
+POLICIES = ["fp32", "input", "autocast"]
+CHANNELS = 6
+
+
+@dataclasses.dataclass
+class Case:
+    """One ``F.batch_norm`` call: its tensors and flags."""
+
+    x: torch.Tensor
+    running_mean: Optional[torch.Tensor]
+    running_var: Optional[torch.Tensor]
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    training: bool
+    momentum: float = 0.1
+    eps: float = 1e-5
+
+    def leaves(self) -> List[torch.Tensor]:
+        return [t for t in (self.x, self.weight, self.bias) if t is not None]
+
+
+def make_input(shape, dtype: torch.dtype, layout: str, seed: int = 0) -> torch.Tensor:
+    """A half input with a non-zero mean (so the statistics' precision matters) in ``layout``."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "noncontiguous":
+        # Every other element of the last dim: strided, neither contiguous nor channels_last.
+        wide = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 3 + 5
+        return wide.to(dtype)[..., ::2]
+    x = (torch.randn(*shape, generator=g) * 3 + 5).to(dtype)
+    if layout == "channels_last":
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        x = x.contiguous(memory_format=fmt)
+    return x
+
+
+def make_case(shape, dtype, layout, training, affine, stats, param_dtype=torch.float32) -> Case:
+    g = torch.Generator().manual_seed(1)
+    x = make_input(shape, dtype, layout).requires_grad_()
+    weight = bias = running_mean = running_var = None
+    if affine:
+        weight = (torch.rand(CHANNELS, generator=g) + 0.5).to(param_dtype).requires_grad_()
+        bias = torch.randn(CHANNELS, generator=g).to(param_dtype).requires_grad_()
+    if stats:
+        running_mean = torch.randn(CHANNELS, generator=g) + 5
+        running_var = torch.rand(CHANNELS, generator=g) * 9 + 1
+    return Case(x, running_mean, running_var, weight, bias, training)
+
+
+def run(case: Case, fn: Callable, cast: Callable[[torch.Tensor], torch.Tensor], grad_dtype: torch.dtype):
+    """Forward and backward of ``fn`` on ``cast`` of the case's tensors.
+
+    The output gradient holds values of ``grad_dtype`` (the shim's output dtype), so every run
+    differentiates the same function at the same point. Returns the output, the updated running
+    stats and the gradients of input/weight/bias.
+    """
+    def prep(t):
+        return None if t is None else cast(t.detach()).requires_grad_(t.requires_grad)
+
+    x, weight, bias = prep(case.x), prep(case.weight), prep(case.bias)
+    stats = [None if s is None else cast(s.clone()) for s in (case.running_mean, case.running_var)]
+    out = fn(x, stats[0], stats[1], weight, bias, case.training, case.momentum, case.eps)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(grad_dtype)
+    leaves = [t for t in (x, weight, bias) if t is not None]
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype)) if out.numel() else [None] * len(leaves)
+    return out, stats, list(grads)
+
+
+def shim(case: Case, autocast_dtype: Optional[torch.dtype]):
+    """The patched ``F.batch_norm`` on the case's own tensors (running stats updated in place)."""
+    def fn(*args):
+        if autocast_dtype is None:
+            return F.batch_norm(*args)
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            return F.batch_norm(*args)
+
+    return fn
+
+
+def fp64(t: torch.Tensor) -> torch.Tensor:
+    return t.double()
+
+
+def fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float()
+
+
+def assert_rounded_from(actual: torch.Tensor, exact: torch.Tensor, fp32_atol: float) -> None:
+    """``actual`` is ``exact`` computed in FP32 (within ``fp32_atol``), then rounded once to its dtype."""
+    exact = exact.double()
+    half_ulp = torch.finfo(actual.dtype).eps / 2 if actual.dtype is not torch.float32 else 0.0
+    tiny = torch.finfo(actual.dtype).tiny
+    bound = half_ulp * (exact.abs() + fp32_atol) + fp32_atol + tiny
+    err = (actual.double() - exact).abs()
+    worst = (err - bound).max().item() if err.numel() else 0.0
+    assert worst <= 0, f"error {err.max().item():.3g} beyond one rounding of an FP32 result"
+
+
+def assert_matches_simple(actual: torch.Tensor, simple: torch.Tensor, fp32_atol: float) -> None:
+    """Same dtype as the simple reference and equal to it up to FP32 rounding.
+
+    Both are roundings of FP32 values that differ by at most ``fp32_atol``: a half-precision
+    result may sit one unit in the last place away when the two straddle a rounding boundary.
+    """
+    assert actual.dtype is simple.dtype
+    exact = simple.double()
+    ulp = torch.finfo(actual.dtype).eps if actual.dtype is not torch.float32 else 0.0
+    bound = ulp * (exact.abs() + fp32_atol) + fp32_atol + torch.finfo(actual.dtype).tiny
+    err = (actual.double() - exact).abs()
+    assert (err <= bound).all(), f"error {err.max().item():.3g} beyond FP32 rounding"
+
+
+def expected_dtype(policy: str, input_dtype: torch.dtype, autocast_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if autocast_dtype is None or policy == "input":
+        return input_dtype
+    return torch.float32 if policy == "fp32" else autocast_dtype
+
+
+def check_case(case: Case, policy: str, autocast_dtype: Optional[torch.dtype], fp32_rtol: float = 2e-6) -> None:
+    """Run ``case`` through the shim and check it against the fp64 and the simple FP32 references.
+
+    ``fp32_rtol`` bounds the FP32 computation's own error relative to the output scale; it grows
+    with how ill-conditioned the data are (a mean far from zero relative to the spread).
+    """
+    amp_bn_fix.set_policy(policy)
+    out_dtype = expected_dtype(policy, case.x.dtype, autocast_dtype)
+    out, stats, grads = run(case, shim(case, autocast_dtype), cast=lambda t: t, grad_dtype=out_dtype)
+    ref_out, ref_stats, ref_grads = run(case, ORIGINAL, cast=fp64, grad_dtype=out_dtype)
+    # The simple reference, what a careful user writes: everything FP32, result cast to the policy's dtype.
+
+    def simple_fn(*args):
+        return ORIGINAL(*args).to(out_dtype)
+
+    simple = run(case, simple_fn, cast=fp32, grad_dtype=out_dtype)
+
+    assert out.dtype is out_dtype
+    scale = max(ref_out.abs().max().item(), 1.0) if ref_out.numel() else 1.0
+    assert_rounded_from(out, ref_out, fp32_atol=fp32_rtol * scale)
+    assert_matches_simple(out, simple[0], fp32_atol=2 * fp32_rtol * scale)
+
+    for stat, ref, simple_stat, given in zip(stats, ref_stats, simple[1], (case.running_mean, case.running_var)):
+        if given is None:
+            continue
+        assert stat.dtype is torch.float32
+        torch.testing.assert_close(stat.double(), ref, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(stat, simple_stat, rtol=2e-6, atol=2e-6)
+
+    for grad, ref, simple_grad, leaf in zip(grads, ref_grads, simple[2], case.leaves()):
+        assert grad.dtype is leaf.dtype
+        if not grad.numel():
+            continue
+        g_scale = max(ref.abs().max().item(), 1e-3)
+        # Reductions over the batch: FP32 accumulation error grows with the reduced size.
+        assert_rounded_from(grad, ref, fp32_atol=10 * fp32_rtol * g_scale)
+        assert_matches_simple(grad, simple_grad.to(leaf.dtype), fp32_atol=20 * fp32_rtol * g_scale)
+
+
+SHAPES = {
+    "bn1d-2d": (32, CHANNELS),
+    "bn1d-3d": (8, CHANNELS, 7),
+    "bn2d": (4, CHANNELS, 5, 5),
+    "bn2d-1x1": (16, CHANNELS, 1, 1),  # contiguous and channels_last at once
+    "bn3d": (2, CHANNELS, 3, 4, 4),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+# Evaluation without running stats is an error (see the error tests).
+@pytest.mark.parametrize("training, stats", [(True, True), (True, False), (False, True)],
+                         ids=["train-stats", "train-nostats", "eval-stats"])
+def test_every_shape_policy_and_flag_matches_the_references(dtype, policy, shape, affine, training, stats):
+    check_case(make_case(shape, dtype, "contiguous", training, affine, stats), policy, autocast_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("layout", ["channels_last", "noncontiguous"])
+@pytest.mark.parametrize("shape", [SHAPES["bn2d"], SHAPES["bn3d"]], ids=["bn2d", "bn3d"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_memory_layouts_match_the_references(dtype, policy, layout, shape, training):
+    case = make_case(shape, dtype, layout, training, affine=True, stats=True)
+    check_case(case, policy, autocast_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_half_weights_match_the_references_and_get_half_grads(dtype, policy, training):
+    case = make_case(SHAPES["bn2d"], dtype, "contiguous", training, affine=True, stats=True, param_dtype=dtype)
+    check_case(case, policy, autocast_dtype=dtype)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_autocast_dtype_other_than_the_input_dtype(policy, training):
+    case = make_case(SHAPES["bn2d"], torch.float16, "contiguous", training, affine=True, stats=True)
+    check_case(case, policy, autocast_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_mixed_call_outside_autocast_matches_the_references(dtype, policy, training):
+    # Half weights with FP32 stats: the native kernel rejects it; the shim computes it in FP32.
+    case = make_case(SHAPES["bn2d"], dtype, "contiguous", training, affine=True, stats=True, param_dtype=dtype)
+    check_case(case, policy, autocast_dtype=None)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_large_mean_small_spread_keeps_fp32_statistics(dtype, policy):
+    # A mean far from zero relative to the spread: statistics rounded to half would be visibly off.
+    case = make_case(SHAPES["bn2d"], dtype, "contiguous", training=True, affine=False, stats=False)
+    x = (torch.randn(SHAPES["bn2d"], generator=torch.Generator().manual_seed(3)) * 0.5 + 300).to(dtype)
+    case.x = x.requires_grad_()
+    # FP32 statistics leave an error of about 1e-4 here; half-precision ones would leave 0.1 to 1.
+    check_case(case, policy, autocast_dtype=dtype, fp32_rtol=1e-4)
+
+
+# --- what the fast paths avoid -------------------------------------------------------------
+
+
+class OpLog(TorchDispatchMode):
+    """Records every ATen op with the dtype/numel of its tensor results (below autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        tensors = [r for r in results if isinstance(r, torch.Tensor)]
+        self.ops.append((func.overloadpacket.__name__, args, [(r.dtype, r.numel()) for r in tensors]))
+        return out
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("policy", ["input", "autocast"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_half_output_policies_never_copy_the_input_to_fp32(dtype, policy, training):
+    amp_bn_fix.set_policy(policy)
+    case = make_case(SHAPES["bn2d"], dtype, "contiguous", training, affine=True, stats=True)
+    with OpLog() as log, torch.autocast("cpu", dtype=dtype):
+        out = F.batch_norm(case.x, case.running_mean, case.running_var, case.weight, case.bias, training)
+        out.backward(torch.ones_like(out))
+    full = case.x.numel()
+    assert out.dtype is dtype
+    assert not [op for op, _, results in log.ops if (torch.float32, full) in results]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_fp32_policy_training_takes_its_statistics_from_the_half_input(dtype):
+    # The FP32 training kernel on a float copy of the input is the slow reference path.
+    case = make_case(SHAPES["bn2d"], dtype, "contiguous", True, affine=True, stats=True)
+    with OpLog() as log, torch.autocast("cpu", dtype=dtype):
+        out = F.batch_norm(case.x, case.running_mean, case.running_var, case.weight, case.bias, True)
+    assert out.dtype is torch.float32
+    trained = [args[0].dtype for op, args, _ in log.ops if op.startswith("native_batch_norm") and args[5]]
+    assert trained == []
+    stats_from = [args[0].dtype for op, args, _ in log.ops if op == "batch_norm_update_stats"]
+    assert stats_from == [dtype]
+
+
+# --- edge cases and errors -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_empty_batch_behaves_as_the_original(dtype, policy, training):
+    amp_bn_fix.set_policy(policy)
+    case = make_case((0, CHANNELS, 3, 3), dtype, "contiguous", training, affine=True, stats=True)
+    stats = [case.running_mean.clone(), case.running_var.clone()]
+    with torch.autocast("cpu", dtype=dtype):
+        out = F.batch_norm(case.x, *stats, case.weight, case.bias, training)
+    ref_stats = [case.running_mean.clone(), case.running_var.clone()]
+    ref = ORIGINAL(case.x.float(), *ref_stats, case.weight, case.bias, training)
+    assert out.shape == ref.shape and out.dtype is expected_dtype(policy, dtype, dtype)
+    for stat, ref_stat in zip(stats, ref_stats):
+        torch.testing.assert_close(stat, ref_stat, rtol=0, atol=0)
+    out.sum().backward()
+    assert case.x.grad.shape == case.x.shape
+
+
+def error_calls():
+    x = make_input((4, CHANNELS, 3, 3), torch.bfloat16, "contiguous")
+    one = make_input((1, CHANNELS), torch.bfloat16, "contiguous")
+    stats = (torch.zeros(CHANNELS), torch.ones(CHANNELS))
+    w, b = torch.ones(CHANNELS), torch.zeros(CHANNELS)
+    return {
+        "eps-zero-train": (x, *stats, w, b, True, 0.1, 0.0),
+        "eps-negative-train": (x, *stats, w, b, True, 0.1, -1e-5),
+        "eps-negative-eval": (x, *stats, w, b, False, 0.1, -1e-5),
+        "one-value-per-channel": (one, *stats, w, b, True, 0.1, 1e-5),
+        "one-value-per-channel-nostats": (one, None, None, w, b, True, 0.1, 1e-5),
+        "eval-without-stats": (x, None, None, w, b, False, 0.1, 1e-5),
+        "wrong-stat-size": (x, torch.zeros(CHANNELS + 1), torch.ones(CHANNELS + 1), w, b, True, 0.1, 1e-5),
+        "wrong-weight-size": (x, *stats, torch.ones(CHANNELS + 1), b, True, 0.1, 1e-5),
+        "mean-without-var": (x, stats[0], None, w, b, True, 0.1, 1e-5),
+        "one-dim-input": (x.flatten(), None, None, None, None, True, 0.1, 1e-5),
+    }
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", list(error_calls()))
+def test_invalid_calls_raise_the_originals_error(policy, name):
+    amp_bn_fix.set_policy(policy)
+    args = error_calls()[name]
+    with pytest.raises(Exception) as theirs:
+        ORIGINAL(args[0].float(), *args[1:])
+    with pytest.raises(Exception) as ours, torch.autocast("cpu", dtype=torch.bfloat16):
+        F.batch_norm(*args)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value) == str(theirs.value)
+
+
+# --- the guard on the fast paths -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_guard_keeps_stats_on_a_non_finite_batch_through_the_fast_paths(policy):
+    amp_bn_fix.set_policy(policy)
+    case = make_case(SHAPES["bn2d"], torch.float16, "contiguous", True, affine=True, stats=True)
+    x = case.x.detach().clone()
+    x[0, 0, 0, 0] = float("inf")
+    before = [case.running_mean.clone(), case.running_var.clone()]
+    mean, var = case.running_mean, case.running_var
+    with torch.autocast("cpu", dtype=torch.float16):
+        F.batch_norm(x, mean, var, case.weight, case.bias, True)
+    assert mean is case.running_mean and var is case.running_var
+    assert torch.equal(mean, before[0]) and torch.equal(var, before[1])
+    with torch.autocast("cpu", dtype=torch.float16):
+        F.batch_norm(case.x, mean, var, case.weight, case.bias, True)
+    assert not torch.equal(mean, before[0])  # a finite batch does update them
+
+
+# --- double backward and torch.compile --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_fp32_policy_double_backward_matches_the_reference(dtype):
+    case = make_case(SHAPES["bn2d"], dtype, "contiguous", True, affine=True, stats=False)
+
+    gen = torch.Generator().manual_seed(4)
+    r1, r2 = torch.randn(case.x.shape, generator=gen), torch.randn(case.x.shape, generator=gen)
+
+    def grad_norm(fn, cast):
+        # The gradient of a random projection of the input gradient: a second-order quantity.
+        x, w, b = (cast(t.detach()).requires_grad_() for t in (case.x, case.weight, case.bias))
+        out = fn(x, w, b)
+        gx, = torch.autograd.grad((out * cast(r1)).sum(), x, create_graph=True)
+        return torch.autograd.grad((gx * cast(r2).to(gx.dtype)).sum(), (x, w))
+
+    def ours(x, w, b):
+        with torch.autocast("cpu", dtype=dtype):
+            return F.batch_norm(x, None, None, w, b, True)
+
+    got = grad_norm(ours, lambda t: t)
+    ref = grad_norm(lambda x, w, b: ORIGINAL(x.float(), None, None, w, b, True), lambda t: t)
+    exact = grad_norm(lambda x, w, b: ORIGINAL(x, None, None, w, b, True), fp64)
+    for g, r, e in zip(got, ref, exact):
+        assert g.dtype is r.dtype
+        scale = e.abs().max().item()
+        assert scale > 0
+        # The input gradient is rounded to half on the way: agreement to a few half-precision ulps.
+        tol = 8 * torch.finfo(dtype).eps * scale
+        torch.testing.assert_close(g.double(), e, rtol=0, atol=tol)
+        torch.testing.assert_close(g.double(), r.double(), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_forward_and_backward_match_eager(backend, policy):
+    torch._dynamo.reset()
+    _patch.configure(_config.Config().replace(policy=policy))
+    case = make_case(SHAPES["bn2d"], torch.bfloat16, "contiguous", True, affine=True, stats=True)
+
+    def step(x, mean, var, w, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.batch_norm(x, mean, var, w, b, True)
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    results = []
+    for fn in (compiled, step):
+        out, stats_out, grads = run(
+            case, lambda x, m, v, w, b, *flags: fn(x, m, v, w, b), cast=lambda t: t, grad_dtype=torch.bfloat16
+        )
+        results.append((out, stats_out, grads))
+    (out, stats, grads), (ref_out, ref_stats, ref_grads) = results
+    torch._dynamo.reset()
+    assert out.dtype is ref_out.dtype is expected_dtype(policy, torch.bfloat16, torch.bfloat16)
+    for got, ref in zip([out] + stats + grads, [ref_out] + ref_stats + ref_grads):
+        torch.testing.assert_close(got, ref)  # same dtype; default tolerances of that dtype
