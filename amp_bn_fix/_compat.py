@@ -22,3 +22,8 @@ def autocast_dtype(device_type: str) -> torch.dtype:
 def autocast_disabled(device_type: str) -> torch.autocast:
     """A context manager that turns autocast off for ``device_type``."""
     return torch.autocast(device_type, enabled=False)
+
+
+def functorch_transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, ...) is running (a private torch query)."""
+    return torch._C._are_functorch_transforms_active()

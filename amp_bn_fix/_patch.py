@@ -40,34 +40,52 @@ _handles: List[Tuple[Any, str, wrapt.FunctionWrapper]] = []
 _script_warned = False
 
 
-def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-    # The dtype test comes first: most calls are FP32 and leave after it, without the thread-local read.
-    input = args[0] if args else kwargs.get("input")
-    dtype = getattr(input, "dtype", None)
-    if dtype is not _F16 and dtype is not _BF16:
-        return wrapped(*args, **kwargs)
-    thread = _thread
-    if thread.inside:
-        return wrapped(*args, **kwargs)
-    return _handle_low_precision(wrapped, args, kwargs, thread)
+_Wrapper = Callable[[Callable[..., torch.Tensor], Any, tuple, dict], torch.Tensor]
 
 
-def _handle_low_precision(wrapped: Callable[..., torch.Tensor], args: tuple, kwargs: dict, thread: _ThreadState) -> torch.Tensor:
-    config = _config
-    try:
-        call = _policy.bind(*args, **kwargs)
-    except TypeError:
-        return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
-    if config.devices is not None and call.input.device.type not in config.devices:
-        return wrapped(*args, **kwargs)
-    out_dtype = _policy.output_dtype(thread.policy or config.policy, call)
-    if out_dtype is None:
-        return wrapped(*args, **kwargs)
-    thread.inside = True
-    try:
-        return _policy.fp32_batch_norm(wrapped, call, out_dtype, config.guard)
-    finally:
-        thread.inside = False
+def _policy_wrapper(
+    bind: Callable[..., Any],
+    as_batch_norm_call: Callable[[Any], _policy.BatchNormCall],
+    compute: Callable[[Callable[..., torch.Tensor], Any, torch.dtype, bool], torch.Tensor],
+) -> _Wrapper:
+    """A wrapt wrapper that applies the policy to one batch-norm entry point.
+
+    ``bind`` names the entry point's arguments (``TypeError`` for a malformed call),
+    ``as_batch_norm_call`` presents them as ``F.batch_norm``'s for the policy, and
+    ``compute(original, call, out_dtype, guard)`` computes a handled call.
+    """
+
+    def wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        # The dtype test comes first: most calls are FP32 and leave after it.
+        input = args[0] if args else kwargs.get("input")
+        dtype = getattr(input, "dtype", None)
+        if dtype is not _F16 and dtype is not _BF16:
+            return wrapped(*args, **kwargs)
+        thread, config = _thread, _config
+        # Re-entered from inside a handled call, or a reference kept after disable().
+        if thread.inside or not _handles:
+            return wrapped(*args, **kwargs)
+        try:
+            call = bind(*args, **kwargs)
+        except TypeError:
+            return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
+        if config.devices is not None and input.device.type not in config.devices:
+            return wrapped(*args, **kwargs)
+        out_dtype = _policy.output_dtype(thread.policy or config.policy, as_batch_norm_call(call))
+        if out_dtype is None:
+            return wrapped(*args, **kwargs)
+        thread.inside = True
+        try:
+            return compute(wrapped, call, out_dtype, config.guard)
+        finally:
+            thread.inside = False
+
+    return wrapper
+
+
+_batch_norm_wrapper = _policy_wrapper(_policy.bind, lambda call: call, _policy.fp32_batch_norm)
+# nn.SyncBatchNorm's syncing path (more than one rank) bypasses F.batch_norm.
+_sync_batch_norm_wrapper = _policy_wrapper(_sync.bind, _sync.as_batch_norm_call, _sync.fp32_sync_batch_norm)
 
 
 def _module_apply_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -119,8 +137,7 @@ def _targets() -> List[Tuple[Any, str, Callable[..., Any]]]:
         (torch.nn.functional, "batch_norm", _batch_norm_wrapper),
         (torch.jit, "script", _script_wrapper),
         (torch.nn.modules.batchnorm._BatchNorm, "_apply", _module_apply_wrapper),
-        # nn.SyncBatchNorm's syncing path (more than one rank) bypasses F.batch_norm.
-        (torch.nn.modules._functions.SyncBatchNorm, "apply", _sync.wrapper(_thread, current_config)),
+        (torch.nn.modules._functions.SyncBatchNorm, "apply", _sync_batch_norm_wrapper),
     ]
 
 

@@ -76,12 +76,12 @@ def output_dtype(policy: str, call: BatchNormCall) -> Optional[torch.dtype]:
     return None
 
 
-def _fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def to_fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     # A differentiable cast: gradients flow back to the original tensor in its own dtype.
     return t if t is None or t.dtype is torch.float32 else t.float()
 
 
-def _working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Optional[torch.Tensor]:
+def working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Optional[torch.Tensor]:
     """The FP32 tensor the kernel reads (and, in training, updates in place).
 
     It is ``stat`` itself when that is already FP32 and needs no protection, so module buffers
@@ -95,11 +95,11 @@ def _working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> O
 
 
 @torch.no_grad()
-def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], guard: bool) -> None:
+def write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], guard: bool) -> None:
     """Copy the updated working stats into the caller's tensors."""
     if guard:
         # Device-side select, no host sync: a non-finite batch leaves the stats exactly as they were.
-        finite = torch.stack([torch.isfinite(t).all() for t in new]).all()
+        finite = torch.isfinite(torch.cat(new)).all()
         new = tuple(torch.where(finite, n, s.to(torch.float32)) for s, n in zip(stats, new))
     for stat, value in zip(stats, new):
         if value is not stat:
@@ -117,9 +117,9 @@ def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard
     """
     input, running_mean, running_var, weight, bias, training, momentum, eps = call
     updates = bool(training)
-    work_mean = _working_stat(running_mean, updates, guard)
-    work_var = _working_stat(running_var, updates, guard)
-    weight, bias = _fp32(weight), _fp32(bias)
+    work_mean = working_stat(running_mean, updates, guard)
+    work_var = working_stat(running_var, updates, guard)
+    weight, bias = to_fp32(weight), to_fp32(bias)
     with autocast_disabled(input.device.type):
         # The fast paths compute what the reference ``original(input.float(), ...)`` computes,
         # without copying the input to FP32 for the statistics (see ``_kernels``).
@@ -135,5 +135,5 @@ def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard
             out = original(input.float(), work_mean, work_var, weight, bias, training, momentum, eps)
     if updates and running_mean is not None and running_var is not None:
         if work_mean is not running_mean or work_var is not running_var:
-            _write_back((running_mean, running_var), (work_mean, work_var), guard)
+            write_back((running_mean, running_var), (work_mean, work_var), guard)
     return out if out.dtype is out_dtype else out.to(out_dtype)

@@ -182,7 +182,7 @@ def check_case(case: Case, policy: str, autocast_dtype: Optional[torch.dtype], f
 SHAPES = {
     "bn1d-2d": (32, CHANNELS),
     "bn1d-3d": (8, CHANNELS, 7),
-    "bn2d": (4, CHANNELS, 5, 5),
+    "bn2d": (4, CHANNELS, 6, 6),  # rows of 36 values: the FP32 training fast path
     "bn2d-1x1": (16, CHANNELS, 1, 1),  # contiguous and channels_last at once
     "bn3d": (2, CHANNELS, 3, 4, 4),
 }
@@ -287,6 +287,23 @@ def test_fp32_policy_training_takes_its_statistics_from_the_half_input(dtype):
     assert trained == []
     stats_from = [args[0].dtype for op, args, _ in log.ops if op == "batch_norm_update_stats"]
     assert stats_from == [dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_fp32_policy_training_statistics_have_fp32_accuracy_on_large_batches(dtype):
+    """65536 values per channel around a large mean: a float accumulation over the whole channel
+    (the mixed kernel's, and native autocast's) is off by ~1e-5 here; the FP32 policy is not."""
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(16, 4, 64, 64, generator=generator) + 30).to(dtype)
+    running_mean, running_var = torch.zeros(4), torch.ones(4)
+    with torch.autocast("cpu", dtype=dtype):
+        out = F.batch_norm(x, running_mean, running_var, training=True)
+    mean64, var64 = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    ref = ORIGINAL(x.double(), mean64, var64, training=True)
+    assert out.dtype is torch.float32
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    assert ((running_var.double() - var64).abs() / var64).max().item() < 1e-6
+    assert ((running_mean.double() - mean64).abs() / mean64).max().item() < 1e-6
 
 
 # --- edge cases and errors -------------------------------------------------------------------

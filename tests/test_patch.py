@@ -72,6 +72,16 @@ def test_disable_removes_only_our_wrapper():
     assert F.batch_norm is ORIGINAL
 
 
+def test_a_reference_kept_after_disable_runs_natively():
+    kept = F.batch_norm  # e.g. ``from torch.nn.functional import batch_norm`` after the import
+    x = torch.randn(4, 3).bfloat16()
+    amp_bn_fix.disable()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = kept(x, None, None, training=True)
+    assert out.dtype is torch.bfloat16
+    assert torch.equal(out, ORIGINAL(x, None, None, training=True))
+
+
 def test_modules_reach_the_patch_through_f_batch_norm():
     bns = [nn.BatchNorm1d(3), nn.BatchNorm2d(3), nn.BatchNorm3d(3), nn.SyncBatchNorm(3)]
     shapes = [(4, 3), (4, 3, 2, 2), (4, 3, 2, 2, 2), (4, 3, 2, 2)]
@@ -293,14 +303,15 @@ class PassThroughTensor(torch.Tensor):
 
 @pytest.fixture
 def policy_calls(monkeypatch):
+    """The input dtype of every call the policy decided on (re-entered calls never get there)."""
     calls = []
-    real = _policy.fp32_batch_norm
+    real = _policy.output_dtype
 
-    def spy(*args, **kwargs):
-        calls.append(args[1].input.dtype)
-        return real(*args, **kwargs)
+    def spy(policy, call):
+        calls.append(call.input.dtype)
+        return real(policy, call)
 
-    monkeypatch.setattr(_policy, "fp32_batch_norm", spy)
+    monkeypatch.setattr(_policy, "output_dtype", spy)
     return calls
 
 
