@@ -64,24 +64,34 @@ def mixed_batch_norm(
 ) -> torch.Tensor:
     """A half-precision output computed in FP32 by the native mixed-dtype kernel.
 
-    ``original`` validates the call and raises its own errors. Only for a contiguous ``input``
-    (see :func:`mixed_kernel_exact`).
+    ``original`` validates the call and raises its own errors. Only for the layouts
+    :func:`mixed_kernel_layout` accepts.
     """
     if weight is None and bias is None and running_mean is None and running_var is None and input.dim() >= 2:
         # With no FP32 tensor in the call the kernel takes its all-half path, which rounds the
         # batch statistics to half; one FP32 weight of ones makes it the mixed (FP32) kernel.
         weight = torch.ones(input.shape[1], dtype=torch.float32, device=input.device)
-    return original(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    out = original(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    layout = mixed_kernel_layout(input)
+    if layout is not torch.contiguous_format and out.requires_grad:
+        # On CPU the mixed backward accumulates in the input's dtype when the incoming gradient is
+        # laid out differently from a channels_last input (bfloat16 bias gradients off by ~1e-3):
+        # hand it the gradient in the input's layout (a no-op when it already is).
+        out.register_hook(lambda grad: grad.contiguous(memory_format=layout))
+    return out
 
 
-def mixed_kernel_exact(input: torch.Tensor) -> bool:
-    """Whether the native mixed kernel computes forward and backward in FP32 for ``input``.
+def mixed_kernel_layout(input: torch.Tensor) -> Optional[torch.memory_format]:
+    """The memory format of ``input`` if the native mixed kernel computes it exactly, else None.
 
-    On CPU its backward for channels_last and other non-contiguous inputs rounds the gradient
-    sums to the input's dtype (bias gradients off by a half-precision rounding), so those
-    layouts take the reference path.
+    Contiguous and channels_last inputs qualify; other strided inputs take the reference path.
     """
-    return input.is_contiguous()
+    if input.is_contiguous():
+        return torch.contiguous_format
+    for layout in (torch.channels_last, torch.channels_last_3d):
+        if input.dim() == (4 if layout is torch.channels_last else 5) and input.is_contiguous(memory_format=layout):
+            return layout
+    return None
 
 
 def fp32_train_eligible(
@@ -96,10 +106,11 @@ def fp32_train_eligible(
 
     Everything ``F.batch_norm`` would reject (one value per channel, ``eps <= 0``, a tensor of the
     wrong size or device), and the empty batch it special-cases, goes to the reference path, so
-    errors and edge cases stay the original's.
+    errors and edge cases stay the original's. So do layouts other than contiguous NCHW: the
+    row-wise reduction would copy them, and the reference path is fast for channels_last.
     """
     shape = input.shape
-    if len(shape) < 2 or not eps > 0.0 or (running_mean is None) is not (running_var is None):
+    if len(shape) < 2 or not input.is_contiguous() or not eps > 0.0 or (running_mean is None) is not (running_var is None):
         return False
     values = input.numel() // shape[1] if shape[1] else 0
     if values < 2 or values // shape[0] < _MIN_ROW:

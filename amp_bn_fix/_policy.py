@@ -125,7 +125,7 @@ def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard
         # without copying the input to FP32 for the statistics (see ``_kernels``).
         if not _kernels.fast_path_applies(input, work_mean, work_var, weight, bias):
             out = original(input.float(), work_mean, work_var, weight, bias, training, momentum, eps)
-        elif out_dtype is input.dtype and _kernels.mixed_kernel_exact(input):
+        elif out_dtype is input.dtype and _kernels.mixed_kernel_layout(input) is not None:
             out = _kernels.mixed_batch_norm(
                 original, input, work_mean, work_var, weight, bias, training, momentum, eps
             )
