@@ -179,17 +179,21 @@ def half_input(shape, dtype, device, channels_last=False, seed=0) -> torch.Tenso
     return x.requires_grad_()
 
 
+def bn_forward(bn: nn.Module, x: torch.Tensor, device: str, dtype: torch.dtype, by_hand: bool = False) -> torch.Tensor:
+    """BatchNorm under autocast; ``by_hand``: the FP32 peer users write today."""
+    with torch.autocast(device, dtype=dtype):
+        if by_hand:
+            with torch.autocast(device, enabled=False):
+                return bn(x.float())
+        return bn(x)
+
+
 def bn_step(bn: nn.Module, x: torch.Tensor, grad: torch.Tensor, device: str, dtype: torch.dtype,
             by_hand: bool = False, backward: bool = True) -> Callable[[], None]:
     """One BatchNorm forward (+ backward) under autocast; ``by_hand``: the FP32 peer users write."""
 
     def step() -> None:
-        with torch.autocast(device, dtype=dtype):
-            if by_hand:
-                with torch.autocast(device, enabled=False):
-                    y = bn(x.float())
-            else:
-                y = bn(x)
+        y = bn_forward(bn, x, device, dtype, by_hand)
         if backward:
             y.backward(grad)
             x.grad = bn.weight.grad = bn.bias.grad = None
@@ -422,15 +426,7 @@ def run_bn(x0: torch.Tensor, grad: torch.Tensor, device: str, dtype: Optional[to
     if dtype is None:
         bn = bn.double()
     x = x0.to(device, copy=True).requires_grad_()
-    if dtype is None:
-        y = bn(x)
-    else:
-        with torch.autocast(device, dtype=dtype):
-            if by_hand:
-                with torch.autocast(device, enabled=False):
-                    y = bn(x.float())
-            else:
-                y = bn(x)
+    y = bn(x) if dtype is None else bn_forward(bn, x, device, dtype, by_hand)
     y.backward(grad.to(device=device, dtype=y.dtype))
     return {"out": y.detach(), "running_var": bn.running_var, "grad_x": x.grad,
             "grad_w": bn.weight.grad, "grad_b": bn.bias.grad}
