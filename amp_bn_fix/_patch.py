@@ -1,7 +1,7 @@
-"""Install and remove the ``F.batch_norm`` patch: the one owner of patched state.
+"""Install and remove the patches: the one owner of patched state.
 
-The wrapper's pass-through path (not a half input, or re-entered) is a thread-local read and a
-dtype check before calling the original: no argument binding, no allocation.
+The ``F.batch_norm`` wrapper's pass-through path is a dtype check (and, for a 16-bit input, a
+thread-local read) before calling the original: no argument binding, no allocation.
 """
 
 from __future__ import annotations
