@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from _amp_bn_fix_boot import launcher
@@ -15,7 +15,7 @@ def _short(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _format_table(header: Sequence[str], rows: List[Sequence[str]]) -> str:
+def _format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
     lines = [header, ["-" * w for w in widths], *rows]
     return "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)

@@ -20,7 +20,6 @@ buffers to the others at every step; they stay float32).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys

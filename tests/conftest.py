@@ -8,7 +8,6 @@ import pytest
 for _name in [n for n in os.environ if n.startswith("AMP_BN_FIX")]:
     del os.environ[_name]
 
-import amp_bn_fix  # noqa: E402
 from amp_bn_fix import _config, _patch  # noqa: E402
 
 
