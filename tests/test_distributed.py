@@ -3,7 +3,6 @@
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -13,13 +12,13 @@ RANKS = 2
 
 
 @pytest.mark.parametrize("policy, bn_out", [("fp32", "torch.float32"), ("input", "torch.bfloat16")])
-def test_torchrun_ddp_workers_get_the_shim_from_the_environment(tmp_path, policy, bn_out):
+def test_torchrun_ddp_workers_get_the_shim_from_the_environment(tmp_path, policy, bn_out, run_torchrun):
     env = {**os.environ, "AMP_BN_FIX": "1", "AMP_BN_FIX_POLICY": policy, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
         str(WORKER), str(tmp_path),
     ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    result = run_torchrun(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[:6000]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
     for report in reports:

@@ -14,8 +14,8 @@ from typing import List
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name: str, *args: str, timeout: float = 120) -> str:
-    done = subprocess.run(
+def run_example(name: str, *args: str, timeout: float = 120, run=subprocess.run) -> str:
+    done = run(
         [sys.executable, str(EXAMPLES / name), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -71,10 +71,10 @@ def test_numerics_study_small(tmp_path):
     assert on["means"][-1] == clean["means"][-1] and on["variances"][-1] == clean["variances"][-1]
 
 
-def test_torchrun_ddp_enabled_by_the_environment_only():
+def test_torchrun_ddp_enabled_by_the_environment_only(run_torchrun):
     source = (EXAMPLES / "torchrun_ddp.py").read_text()
     assert "import amp_bn_fix" not in source
-    out = run_example("torchrun_ddp.py", "--steps", "3")
+    out = run_example("torchrun_ddp.py", "--steps", "3", run=run_torchrun)
     rows = table_rows(out, "0 ") + table_rows(out, "1 ")
     assert len(rows) == 2, out
     for rank, state, bn_out, stats, finite, _ in rows:
