@@ -94,6 +94,8 @@ def get_policy() -> str:
 def set_policy(name: str) -> None:
     r"""Set the process-wide policy: ``"fp32"``, ``"input"``, ``"autocast"`` or ``"off"``.
 
+    It applies while the shim is enabled; it does not enable it (see :func:`enable`).
+
     Raises:
         ValueError: for any other name; the message lists the allowed ones.
 
@@ -110,7 +112,9 @@ def set_policy(name: str) -> None:
 def policy(name: str) -> Iterator[None]:
     r"""Override the policy for the current thread within a ``with`` block (nestable).
 
-    Other threads keep theirs. The patch must be enabled for the policy to take effect.
+    Other threads keep theirs, and do not see this one: ``nn.DataParallel`` replicas, and the
+    autograd threads where activation checkpointing recomputes on CUDA, use the process-wide
+    policy. The patch must be enabled for the policy to take effect.
 
     Example::
 

@@ -135,12 +135,12 @@ def _seed_case(device: str, dtype: torch.dtype) -> SelfTest:
         normalized = bn(hidden)
         net[2](normalized)
     if hidden.dtype is not dtype:
-        detail = f"autocast gave Linear output {_short(hidden.dtype)}, expected {_short(dtype)}"
+        detail = f"autocast gave Linear output {dtype_name(hidden.dtype)}, expected {dtype_name(dtype)}"
         return SelfTest(device, dtype, False, detail)
     if normalized.dtype is not torch.float32:
-        return SelfTest(device, dtype, False, f"BatchNorm1d output is {_short(normalized.dtype)}, expected float32")
+        return SelfTest(device, dtype, False, f"BatchNorm1d output is {dtype_name(normalized.dtype)}, expected float32")
     if bn.running_mean.dtype is not torch.float32 or bn.running_var.dtype is not torch.float32:
-        return SelfTest(device, dtype, False, f"running stats became {_short(bn.running_mean.dtype)}")
+        return SelfTest(device, dtype, False, f"running stats became {dtype_name(bn.running_mean.dtype)}")
     original = _original_batch_norm()
     expected = original(
         hidden.detach().double(), expected_mean, expected_var, bn.weight.detach().double(), bn.bias.detach().double(),
@@ -165,5 +165,6 @@ def _original_batch_norm():
     return function
 
 
-def _short(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``."""
     return str(dtype).replace("torch.", "")

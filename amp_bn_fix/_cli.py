@@ -5,14 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence, Tuple
 
-import torch
 from _amp_bn_fix_boot import launcher
 
 from . import _check, _config, _demo, _patch
-
-
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -27,7 +22,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     rows = []
     for device, dtype in _demo.cases():
         for row in _demo.seed_rows(device, dtype):
-            rows.append([row.device, _short(row.autocast_dtype), row.layer, _short(row.without), _short(row.with_shim)])
+            rows.append([row.device, _check.dtype_name(row.autocast_dtype), row.layer, _check.dtype_name(row.without), _check.dtype_name(row.with_shim)])
     print(_format_table(["device", "autocast", "layer", "without shim", "with shim"], rows))
     return 0
 
@@ -68,7 +63,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     ])))
     print("\nself-test (seed: Linear -> BatchNorm1d -> Linear under autocast, policy fp32):")
     results = [_check.self_test(device, dtype) for device, dtype in _check.self_test_cases()]
-    rows = [[r.device, _short(r.dtype), "ok" if r.ok else "FAIL", r.detail] for r in results]
+    rows = [[r.device, _check.dtype_name(r.dtype), "ok" if r.ok else "FAIL", r.detail] for r in results]
     print(_indent(_format_table(["device", "autocast", "result", "detail"], rows)))
     return 0 if all(r.ok for r in results) else 1
 

@@ -100,15 +100,20 @@ def fp32_train_eligible(
     running_var: Optional[torch.Tensor],
     weight: Optional[torch.Tensor],
     bias: Optional[torch.Tensor],
-    eps: float,
+    training: object,
+    momentum: object,
+    eps: object,
 ) -> bool:
-    """Whether :func:`fp32_train_batch_norm` computes this training call.
+    """Whether :func:`fp32_train_batch_norm` computes this call.
 
-    Everything ``F.batch_norm`` would reject (one value per channel, ``eps <= 0``, a tensor of the
-    wrong size or device), and the empty batch it special-cases, goes to the reference path, so
-    errors and edge cases stay the original's. So do layouts other than contiguous NCHW: the
+    This path runs no native op that would check the arguments, so everything ``F.batch_norm``
+    would reject (an argument of the wrong type, one value per channel, ``eps <= 0``, a tensor of
+    the wrong size, dtype or device), and the empty batch it special-cases, goes to the reference
+    path: errors and edge cases stay the original's. So do layouts other than contiguous NCHW: the
     row-wise reduction would copy them, and the reference path is fast for channels_last.
     """
+    if training is not True or type(momentum) not in (int, float) or type(eps) not in (int, float):
+        return False
     shape = input.shape
     if len(shape) < 2 or not input.is_contiguous() or not eps > 0.0 or (running_mean is None) is not (running_var is None):
         return False
@@ -117,7 +122,8 @@ def fp32_train_eligible(
         return False
     channels = (shape[1],)
     return all(
-        t is None or (t.shape == channels and t.is_cpu) for t in (running_mean, running_var, weight, bias)
+        t is None or (t.shape == channels and t.dtype is torch.float32 and t.is_cpu)
+        for t in (running_mean, running_var, weight, bias)
     )
 
 

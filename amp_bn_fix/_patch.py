@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional
@@ -35,8 +35,8 @@ class _ThreadState(threading.local):
 _thread = _ThreadState()
 _lock = threading.RLock()
 _config = Config()
-# (owner, attribute, wrapper) for each patch in place, in the order applied.
-_handles: List[Tuple[Any, str, wrapt.FunctionWrapper]] = []
+# The wrapper in place for each patched (owner, attribute), in the order applied.
+_handles: Dict[Tuple[Any, str], wrapt.FunctionWrapper] = {}
 _script_warned = False
 
 
@@ -146,35 +146,38 @@ def is_installed() -> bool:
 
 
 def install() -> bool:
-    """Apply every patch; returns False when already installed."""
-    global _handles
+    """Apply every patch not in place yet; returns False when there was none to apply.
+
+    Each wrapper is recorded as soon as it is applied, so a failure part-way leaves nothing
+    untracked: ``uninstall()`` removes what was applied and a later ``install()`` completes it.
+    """
     with _lock:
-        if _handles:
-            return False
-        _handles = [
-            (owner, name, wrapt.wrap_function_wrapper(owner, name, wrapper))
-            for owner, name, wrapper in _targets()
-        ]
-        log.debug("patched torch.nn.functional.batch_norm (policy %s)", _config.policy)
-        return True
+        applied = False
+        for owner, name, wrapper in _targets():
+            if (owner, name) not in _handles:
+                _handles[owner, name] = wrapt.wrap_function_wrapper(owner, name, wrapper)
+                applied = True
+        if applied:
+            log.debug("patched torch.nn.functional.batch_norm (policy %s)", _config.policy)
+        return applied
 
 
 def uninstall() -> bool:
-    """Remove our wrappers, restoring the very original objects; False when not installed.
+    """Remove our wrappers, restoring the very original objects; False when not all were removed.
 
-    Only our own wrappers are removed, by identity; wrapt wrappers others put on top stay.
+    Only our own wrappers are removed, by identity; wrapt wrappers others put on top stay. One
+    that cannot be removed (another library wrapped it without wrapt) stays in place and active,
+    with a warning; the others are removed, and ``install()`` restores them.
     """
-    global _handles
     with _lock:
         if not _handles:
             return False
-        while _handles:
-            owner, name, handle = _handles[-1]
+        for (owner, name), handle in reversed(list(_handles.items())):
             try:
                 wrapt.unwrap_object(owner, name, handle, missing_ok=True)
             except wrapt.WrapperNotOutermostError as exc:
                 warnings.warn(f"amp_bn_fix: could not remove the patch: {exc}", RuntimeWarning, stacklevel=3)
-                return False
-            _handles.pop()
+                continue
+            del _handles[owner, name]
         log.debug("restored torch.nn.functional.batch_norm")
-        return True
+        return not _handles

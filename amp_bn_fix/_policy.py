@@ -78,7 +78,8 @@ def output_dtype(policy: str, call: BatchNormCall) -> Optional[torch.dtype]:
 
 def to_fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     # A differentiable cast: gradients flow back to the original tensor in its own dtype.
-    return t if t is None or t.dtype is torch.float32 else t.float()
+    # Non-float tensors are left for the kernel to reject with torch's own error.
+    return t if t is None or t.dtype is torch.float32 or not t.is_floating_point() else t.float()
 
 
 def working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Optional[torch.Tensor]:
@@ -87,8 +88,8 @@ def working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Op
     It is ``stat`` itself when that is already FP32 and needs no protection, so module buffers
     see the update directly; otherwise an FP32 copy that is written back afterwards.
     """
-    if stat is None:
-        return None
+    if stat is None or not stat.is_floating_point():
+        return stat  # a non-float stat is left for the kernel to reject with torch's own error
     if stat.dtype is torch.float32 and not (updates and guard):
         return stat
     return stat.detach().to(torch.float32, copy=True)
@@ -123,13 +124,12 @@ def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard
     with autocast_disabled(input.device.type):
         # The fast paths compute what the reference ``original(input.float(), ...)`` computes,
         # without copying the input to FP32 for the statistics (see ``_kernels``).
-        if not _kernels.fast_path_applies(input, work_mean, work_var, weight, bias):
-            out = original(input.float(), work_mean, work_var, weight, bias, training, momentum, eps)
-        elif out_dtype is input.dtype and _kernels.mixed_kernel_layout(input) is not None:
+        fast = _kernels.fast_path_applies(input, work_mean, work_var, weight, bias)
+        if fast and out_dtype is input.dtype and _kernels.mixed_kernel_layout(input) is not None:
             out = _kernels.mixed_batch_norm(
                 original, input, work_mean, work_var, weight, bias, training, momentum, eps
             )
-        elif updates and _kernels.fp32_train_eligible(input, work_mean, work_var, weight, bias, eps):
+        elif fast and _kernels.fp32_train_eligible(input, work_mean, work_var, weight, bias, training, momentum, eps):
             out = _kernels.fp32_train_batch_norm(input, work_mean, work_var, weight, bias, momentum, eps)
         else:
             out = original(input.float(), work_mean, work_var, weight, bias, training, momentum, eps)

@@ -93,3 +93,11 @@ def test_import_reads_the_environment():
     assert run_python(code, AMP_BN_FIX_POLICY="Autocast").stdout.split() == ["True", "autocast", "env"]
     assert run_python(code, AMP_BN_FIX_POLICY="off").stdout.split() == ["False", "off", "env"]
     assert run_python(code).stdout.split() == ["True", "fp32", "default"]
+
+
+def test_config_is_immutable_and_hashable():
+    config = _config.from_env({"AMP_BN_FIX_POLICY": "input"})
+    with pytest.raises(TypeError):
+        config.sources["policy"] = "API"  # type: ignore[index]
+    assert config.sources["policy"] == "env"
+    assert hash(config) == hash(_config.Config(policy="input")) and config == _config.Config(policy="input")

@@ -72,6 +72,41 @@ def test_disable_removes_only_our_wrapper():
     assert F.batch_norm is ORIGINAL
 
 
+def test_a_wrapper_that_cannot_be_removed_stays_active_and_the_rest_come_back():
+    import functools
+
+    inner = F.batch_norm
+    F.batch_norm = functools.wraps(inner)(lambda *args, **kwargs: inner(*args, **kwargs))  # not wrapt
+    try:
+        with pytest.warns(RuntimeWarning, match="could not remove"):
+            amp_bn_fix.disable()
+        assert amp_bn_fix.is_enabled()  # the batch_norm wrapper is still there, and says so
+        assert "_apply" not in nn.modules.batchnorm._BatchNorm.__dict__
+        amp_bn_fix.enable()
+        assert nn.BatchNorm1d(3).half().running_mean.dtype is torch.float32
+    finally:
+        F.batch_norm = inner
+    amp_bn_fix.disable()
+    assert F.batch_norm is ORIGINAL and "_apply" not in nn.modules.batchnorm._BatchNorm.__dict__
+
+
+def test_an_install_failing_part_way_leaves_nothing_untracked(monkeypatch):
+    amp_bn_fix.disable()
+    targets = _patch._targets
+
+    def failing_targets():
+        return [*targets()[:1], (nn.functional, "no_such_function", lambda *a: None)]
+
+    monkeypatch.setattr(_patch, "_targets", failing_targets)
+    with pytest.raises(Exception):
+        amp_bn_fix.enable()
+    monkeypatch.setattr(_patch, "_targets", targets)
+    amp_bn_fix.enable()
+    assert F.batch_norm.__wrapped__ is ORIGINAL  # completed, not wrapped twice
+    amp_bn_fix.disable()
+    assert F.batch_norm is ORIGINAL
+
+
 def test_a_reference_kept_after_disable_runs_natively():
     kept = F.batch_norm  # e.g. ``from torch.nn.functional import batch_norm`` after the import
     x = torch.randn(4, 3).bfloat16()
@@ -267,6 +302,10 @@ def test_empty_batch_under_autocast():
         ((torch.randn(4, 3).bfloat16(),), {}),  # missing arguments
         ((torch.randn(4, 3).bfloat16(), torch.zeros(3), torch.ones(3)), {"bogus": 1}),
         ((torch.randn(4, 3).bfloat16(), torch.zeros(2), torch.ones(2)), {"training": True}),  # wrong size
+        # Wrong types, on a shape the FP32 training fast path would take if they were right.
+        ((torch.randn(4, 3, 8, 8).bfloat16(), torch.zeros(3), torch.ones(3)), {"training": True, "momentum": None}),
+        ((torch.randn(4, 3, 8, 8).bfloat16(), torch.zeros(3), torch.ones(3)), {"training": "yes"}),
+        ((torch.randn(4, 3, 8, 8).bfloat16(), torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long)), {"training": True}),
     ],
 )
 def test_errors_are_the_originals(args, kwargs):
@@ -278,7 +317,7 @@ def test_errors_are_the_originals(args, kwargs):
         with pytest.raises(Exception) as theirs:
             ORIGINAL(*[a.float() if i == 0 else a for i, a in enumerate(args)], **kwargs)
     assert type(ours.value) is type(theirs.value)
-    assert str(ours.value).split(":")[0] == str(theirs.value).split(":")[0]
+    assert str(ours.value) == str(theirs.value)
 
 
 # --- re-entrancy -----------------------------------------------------------------------------
@@ -395,13 +434,12 @@ def test_torch_export():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return self.bn(self.linear(x))
 
-    net, x = seed_net(), torch.randn(8, 4)
+    x = torch.randn(8, 4)
     model = Net().eval()
     program = torch.export.export(model, (x,))
     out = program.module()(x)
     assert out.dtype is torch.float32
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
-    del net
 
 
 def test_vmap_and_functional_call():
