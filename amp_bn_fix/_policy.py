@@ -6,7 +6,7 @@ Device-agnostic and stateless. The runtime (``_patch``) passes in the original
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -82,7 +82,7 @@ def to_fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if t is None or t.dtype is torch.float32 or not t.is_floating_point() else t.float()
 
 
-def working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Optional[torch.Tensor]:
+def _working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Optional[torch.Tensor]:
     """The FP32 tensor the kernel reads (and, in training, updates in place).
 
     It is ``stat`` itself when that is already FP32 and needs no protection, so module buffers
@@ -96,7 +96,7 @@ def working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Op
 
 
 @torch.no_grad()
-def write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], guard: bool) -> None:
+def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], guard: bool) -> None:
     """Copy the updated working stats into the caller's tensors."""
     if guard:
         # Device-side select, no host sync: a non-finite batch leaves the stats exactly as they were.
@@ -109,6 +109,28 @@ def write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], g
             stat.data.copy_(value)
 
 
+def with_working_stats(
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    updates: bool,
+    guard: bool,
+    compute: Callable[[Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor],
+) -> torch.Tensor:
+    """``compute(mean, var)`` on FP32 running stats, then the update written back to the caller's.
+
+    FP32 stats that need no protection are passed as they are (updated in place); others, and
+    all of them with ``guard`` in training, as FP32 copies written back afterwards, which the
+    guard skips when the new statistics are not finite.
+    """
+    work_mean = _working_stat(running_mean, updates, guard)
+    work_var = _working_stat(running_var, updates, guard)
+    out = compute(work_mean, work_var)
+    if updates and running_mean is not None and running_var is not None:
+        if work_mean is not running_mean or work_var is not running_var:
+            _write_back((running_mean, running_var), (work_mean, work_var), guard)  # type: ignore[arg-type]
+    return out
+
+
 def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard: bool) -> torch.Tensor:
     """Compute ``call`` with FP32 statistics, normalization and running-stat update.
 
@@ -117,23 +139,18 @@ def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard
     untouched (the output still carries the inf/NaN, so GradScaler sees it).
     """
     input, running_mean, running_var, weight, bias, training, momentum, eps = call
-    updates = bool(training)
-    work_mean = working_stat(running_mean, updates, guard)
-    work_var = working_stat(running_var, updates, guard)
     weight, bias = to_fp32(weight), to_fp32(bias)
-    with autocast_disabled(input.device.type):
-        # The fast paths compute what the reference ``original(input.float(), ...)`` computes,
-        # without copying the input to FP32 for the statistics (see ``_kernels``).
-        fast = _kernels.fast_path_applies(input, work_mean, work_var, weight, bias)
-        if fast and out_dtype is input.dtype and _kernels.mixed_kernel_layout(input) is not None:
-            out = _kernels.mixed_batch_norm(
-                original, input, work_mean, work_var, weight, bias, training, momentum, eps
-            )
-        elif fast and _kernels.fp32_train_eligible(input, work_mean, work_var, weight, bias, training, momentum, eps):
-            out = _kernels.fp32_train_batch_norm(input, work_mean, work_var, weight, bias, momentum, eps)
-        else:
-            out = original(input.float(), work_mean, work_var, weight, bias, training, momentum, eps)
-    if updates and running_mean is not None and running_var is not None:
-        if work_mean is not running_mean or work_var is not running_var:
-            write_back((running_mean, running_var), (work_mean, work_var), guard)
+
+    def compute(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
+        with autocast_disabled(input.device.type):
+            # The fast paths compute what the reference ``original(input.float(), ...)`` computes,
+            # without copying the input to FP32 for the statistics (see ``_kernels``).
+            fast = _kernels.fast_path_applies(input, mean, var, weight, bias)
+            if fast and out_dtype is input.dtype and _kernels.mixed_kernel_layout(input) is not None:
+                return _kernels.mixed_batch_norm(original, input, mean, var, weight, bias, training, momentum, eps)
+            if fast and _kernels.fp32_train_eligible(input, mean, var, weight, bias, training, momentum, eps):
+                return _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
+            return original(input.float(), mean, var, weight, bias, training, momentum, eps)
+
+    out = with_working_stats(running_mean, running_var, bool(training), guard, compute)
     return out if out.dtype is out_dtype else out.to(out_dtype)

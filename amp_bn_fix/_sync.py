@@ -48,25 +48,23 @@ def fp32_sync_batch_norm(
 ) -> torch.Tensor:
     """Run the syncing ``original`` on FP32 tensors; the result is cast to ``out_dtype``.
 
-    Running stats are handled as for ``F.batch_norm``: FP32 ones are updated in place, others (or
-    all, with ``guard``) through an FP32 copy written back, which the guard skips when the global
-    statistics are not finite.
+    Running stats are handled as for ``F.batch_norm`` (:func:`_policy.with_working_stats`): the
+    guard skips the update when the global statistics are not finite.
     """
-    mean = _policy.working_stat(call.running_mean, True, guard)
-    var = _policy.working_stat(call.running_var, True, guard)
-    with autocast_disabled(call.input.device.type):
-        out = original(
-            call.input.float(),
-            _policy.to_fp32(call.weight),
-            _policy.to_fp32(call.bias),
-            mean,
-            var,
-            call.eps,
-            call.momentum,
-            call.process_group,
-            call.world_size,
-        )
-    if call.running_mean is not None and call.running_var is not None:
-        if mean is not call.running_mean or var is not call.running_var:
-            _policy.write_back((call.running_mean, call.running_var), (mean, var), guard)
+
+    def compute(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
+        with autocast_disabled(call.input.device.type):
+            return original(
+                call.input.float(),
+                _policy.to_fp32(call.weight),
+                _policy.to_fp32(call.bias),
+                mean,
+                var,
+                call.eps,
+                call.momentum,
+                call.process_group,
+                call.world_size,
+            )
+
+    out = _policy.with_working_stats(call.running_mean, call.running_var, True, guard, compute)
     return out if out.dtype is out_dtype else out.to(out_dtype)
