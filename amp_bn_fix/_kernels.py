@@ -39,9 +39,9 @@ def fast_path_applies(*tensors: Optional[torch.Tensor]) -> bool:
     the call to ``__torch_function__`` (a tensor subclass or an active TorchFunctionMode), the
     reference path runs instead, so such a mode sees the ``F.batch_norm`` call it would see
     natively. So it does under ``torch.func`` transforms (vmap, grad), whose rules cover the native
-    op, and while compiling: ``batch_norm_update_stats`` updates the running stats in place
-    without declaring it in its schema, which functionalization would not see, and the compiler
-    fuses the reference computation anyway.
+    op, and while compiling: the FP32 path writes the running stats through ``.data`` and relies on
+    ``batch_norm_update_stats``, whose in-place update is not declared in its schema, neither of
+    which functionalization would see; the compiler fuses the reference computation anyway.
     """
     return (
         tensors[0].is_cpu
