@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import ContextManager, Optional
+
 import torch
+import torch.autograd.forward_ad
+from torch.overrides import has_torch_function_variadic
 
 # Both take a device type since torch 2.4; older spellings (torch.is_autocast_cpu_enabled, ...)
 # are deprecated and not supported.
 _is_autocast_available = torch.amp.is_autocast_available
+# torch.compiler.is_exporting exists from torch 2.6; strict export is also "compiling" before that.
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -19,11 +27,61 @@ def autocast_dtype(device_type: str) -> torch.dtype:
     return torch.get_autocast_dtype(device_type)
 
 
-def autocast_disabled(device_type: str) -> torch.autocast:
-    """A context manager that turns autocast off for ``device_type``."""
-    return torch.autocast(device_type, enabled=False)
+def autocast_disabled(device_type: str) -> ContextManager[object]:
+    """A context manager that turns autocast off for ``device_type``.
+
+    A no-op for device types autocast does not support (``meta``): ``torch.autocast`` rejects them.
+    """
+    if _is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
-def functorch_transforms_active() -> bool:
-    """Whether a ``torch.func`` transform (vmap, grad, ...) is running (a private torch query)."""
-    return torch._C._are_functorch_transforms_active()
+def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call on ``tensors`` runs in plain eager mode, seen by nothing but autograd.
+
+    True only for real tensors (``torch.Tensor`` or ``nn.Parameter``, no subclass, no FakeTensor,
+    functional or proxy tensor) with no tracer or transform at all: not compiling or exporting, not
+    ``torch.jit.trace``, no TorchDispatchMode (FakeTensorMode, make_fx's proxy mode included) or
+    TorchFunctionMode active, no ``torch.func`` transform, no forward-mode AD level. Only then may
+    amp_bn_fix compute a call in a form the tracers would not record faithfully (its fast paths, a
+    running-stat write-back through ``.data``); everywhere else the reference computation runs.
+    """
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+    return not (
+        has_torch_function_variadic(*tensors)  # also True under a TorchFunctionMode
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._len_torch_dispatch_stack()  # counts the infra modes (fake, proxy, functional)
+        # Pre-dispatch tracing (torch.export) keeps its modes apart and includes this key.
+        or torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
+        or torch._C._are_functorch_transforms_active()
+        or torch.autograd.forward_ad._current_level >= 0
+        or torch._C._is_tracing()  # torch.jit.trace
+        or torch.compiler.is_compiling()
+        or _is_exporting()
+    )
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether several elements of ``t`` share memory (an expanded, stride-0 tensor)."""
+    return torch._debug_has_internal_overlap(t) == 1
+
+
+def autocast_deferred(device_type: str) -> bool:
+    """Whether a tracer is recording an autocast region for ``device_type`` without entering it.
+
+    Strict ``torch.export`` records ``torch.autocast`` blocks inside ``forward`` as graph nodes
+    (its pre-dispatch TorchFunctionMode keeps the open ones in ``enter_autocast_nodes``): while it
+    traces them, autocast is off and inputs are not cast, so what runs under autocast later cannot
+    be told apart from an FP32 call. (Non-strict export enters the block as well as recording it.)
+    """
+    if autocast_enabled(device_type):
+        return False
+    for mode in torch.overrides._get_current_function_mode_stack():
+        for node in getattr(mode, "enter_autocast_nodes", ()):
+            # _enter_autocast(device_type, dtype, enabled, cache_enabled)
+            if node.args[:1] == (device_type,) and (len(node.args) < 3 or node.args[2]):
+                return True
+    return False

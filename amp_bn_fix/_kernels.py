@@ -14,7 +14,10 @@ autocast computes.
   from the half input and combined in float64 (as accurate as the FP32 kernel's), then one FP32
   pass that normalizes, and the native FP32 backward.
 
-The callers run these with autocast disabled and with FP32 (or absent) parameters and statistics.
+The callers run these on CPU in plain eager mode only (:func:`~amp_bn_fix._compat.plain_eager`),
+with autocast disabled and with FP32 (or absent) parameters and statistics: they write the running
+stats through ``.data``, run a Python ``autograd.Function`` and make scratch tensors, none of which
+a tracer would record faithfully.
 """
 
 from __future__ import annotations
@@ -22,33 +25,11 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from torch.overrides import has_torch_function_variadic
-
-from ._compat import functorch_transforms_active
 
 _aten = torch.ops.aten
 # Shortest (sample, channel) row for which :func:`_batch_stats` pays; shorter rows (BatchNorm1d on
 # (N, C), tiny feature maps) take the reference path, cheap at those sizes.
 _MIN_ROW = 32
-
-
-def fast_path_applies(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether the fast paths may compute a call on ``tensors`` (input first).
-
-    They are measured and checked on CPU, in eager mode. Where ``F.batch_norm`` itself would hand
-    the call to ``__torch_function__`` (a tensor subclass or an active TorchFunctionMode), the
-    reference path runs instead, so such a mode sees the ``F.batch_norm`` call it would see
-    natively. So it does under ``torch.func`` transforms (vmap, grad), whose rules cover the native
-    op, and while compiling: the FP32 path writes the running stats through ``.data`` and relies on
-    ``batch_norm_update_stats``, whose in-place update is not declared in its schema, neither of
-    which functionalization would see; the compiler fuses the reference computation anyway.
-    """
-    return (
-        tensors[0].is_cpu
-        and not has_torch_function_variadic(*tensors)
-        and not functorch_transforms_active()
-        and not torch.compiler.is_compiling()
-    )
 
 
 def mixed_batch_norm(

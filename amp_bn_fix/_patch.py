@@ -6,38 +6,116 @@ thread-local read) before calling the original: no argument binding, no allocati
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import importlib
 import logging
+import operator
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional
 import wrapt
 
-from . import _buffers, _policy, _sync
+from . import _buffers, _compat, _policy, _sync
 from ._config import Config
 
 log = logging.getLogger("amp_bn_fix")
 
 _F16 = torch.float16
 _BF16 = torch.bfloat16
+_F32 = torch.float32
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
 
 
 class _ThreadState(threading.local):
     # True while this thread is inside a handled call: tensor subclasses and TorchFunctionModes
     # call the patched name again from inside F.batch_norm, and the policy must apply once.
     inside = False
-    # The innermost ``amp_bn_fix.policy(...)`` override of this thread, if any.
-    policy: Optional[str] = None
+    # The innermost scope's policy on this thread, for compiled code only: dynamo cannot read a
+    # ContextVar, and guards on this attribute instead (see ``_scope_policy``).
+    compiled_policy: Optional[str] = None
+
+
+class _Scope:
+    """One open ``amp_bn_fix.policy(...)`` block; ``policy`` None means the process-wide one."""
+
+    __slots__ = ("policy",)
+
+    def __init__(self, policy: Optional[str]) -> None:
+        self.policy = policy
 
 
 _thread = _ThreadState()
+# The open scopes of the current context, innermost last. A ContextVar, so asyncio tasks (each runs
+# in a copy of its creator's context) and threads see only their own; a tuple, so a context's stack
+# is never changed under another's feet; scopes leave by identity, so blocks exited out of order
+# (generators consumed alternately) leave nothing behind.
+_scopes: contextvars.ContextVar[Tuple[_Scope, ...]] = contextvars.ContextVar("amp_bn_fix_scopes", default=())
 _lock = threading.RLock()
 _config = Config()
 # The wrapper in place for each patched (owner, attribute), in the order applied.
 _handles: Dict[Tuple[Any, str], wrapt.FunctionWrapper] = {}
-_script_warned = False
+
+
+class _ModuleByName:
+    """Pickles as ``importlib.import_module(name)``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return importlib.import_module, (self.name,)
+
+
+class ShimWrapper(wrapt.FunctionWrapper):
+    """wrapt's function wrapper, copied and pickled like the plain function it replaces.
+
+    A copy is the object itself; a pickle refers to where the function lives
+    (``torch.nn.functional.batch_norm``), so it unpickles to whatever is installed there then.
+    The class attribute marks amp_bn_fix's wrappers across ``importlib.reload`` of this module.
+    """
+
+    _amp_bn_fix_wrapper = True
+
+    def __copy__(self) -> "ShimWrapper":
+        return self
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ShimWrapper":
+        return self
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        module, name = self.__module__, self.__qualname__
+        if _lookup(module, name) is self:
+            return name  # pickled as a global, exactly like the original function
+        # A reference kept after disable(): the same reference, spelled with the standard library.
+        return operator.attrgetter(name), (_ModuleByName(module),)
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+
+def _lookup(module: str, name: str) -> Any:
+    try:
+        return operator.attrgetter(name)(importlib.import_module(module))
+    except (ImportError, AttributeError):
+        return None
+
+
+def _is_ours(obj: Any) -> bool:
+    """Whether ``obj`` is an amp_bn_fix wrapper, from this incarnation of the module or an earlier one."""
+    return getattr(type(obj), "_amp_bn_fix_wrapper", False) is True
+
+
+def _refuse_recorded_autocast(policy: str) -> None:
+    raise RuntimeError(
+        "amp_bn_fix: strict torch.export records the torch.autocast block inside forward() without "
+        f"running it, so the BatchNorm policy {policy!r} cannot be applied and the exported program "
+        "would silently differ from eager mode. Export with strict=False, enter torch.autocast around "
+        "the export call instead, or export with amp_bn_fix.policy('off')."
+    )
 
 
 _Wrapper = Callable[[Callable[..., torch.Tensor], Any, tuple, dict], torch.Tensor]
@@ -56,10 +134,11 @@ def _policy_wrapper(
     """
 
     def wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-        # The dtype test comes first: most calls are FP32 and leave after it.
+        # The dtype test comes first: most calls are FP32 and leave after it (unless a
+        # TorchFunctionMode is active: strict export's, see ``_refuse_recorded_autocast``).
         input = args[0] if args else kwargs.get("input")
         dtype = getattr(input, "dtype", None)
-        if dtype is not _F16 and dtype is not _BF16:
+        if dtype is not _F16 and dtype is not _BF16 and (dtype is not _F32 or not _function_mode_enabled()):
             return wrapped(*args, **kwargs)
         thread, config = _thread, _config
         # Re-entered from inside a handled call, or a reference kept after disable().
@@ -71,7 +150,12 @@ def _policy_wrapper(
             return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
         if config.devices is not None and input.device.type not in config.devices:
             return wrapped(*args, **kwargs)
-        out_dtype = _policy.output_dtype(thread.policy or config.policy, as_batch_norm_call(call))
+        policy = _scope_policy() or config.policy
+        if policy != "off" and _compat.autocast_deferred(input.device.type):
+            _refuse_recorded_autocast(policy)
+        if dtype is _F32:
+            return wrapped(*args, **kwargs)
+        out_dtype = _policy.output_dtype(policy, as_batch_norm_call(call))
         if out_dtype is None:
             return wrapped(*args, **kwargs)
         thread.inside = True
@@ -94,22 +178,6 @@ def _module_apply_wrapper(wrapped: Callable[..., Any], instance: Any, args: tupl
     return _buffers.apply_keeping_fp32(wrapped, instance, args, kwargs, keep)
 
 
-def _script_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Warn once when a module with BatchNorm is scripted: TorchScript compiles the original."""
-    global _script_warned
-    obj = args[0] if args else kwargs.get("obj")
-    if not _script_warned and isinstance(obj, torch.nn.Module):
-        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in obj.modules()):
-            _script_warned = True
-            warnings.warn(
-                "amp_bn_fix: TorchScript compiles the original F.batch_norm; scripted "
-                "BatchNorm modules run without the amp_bn_fix policy",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    return wrapped(*args, **kwargs)
-
-
 def configure(config: Config) -> None:
     """Make ``config`` the process-wide settings (one assignment: readers see old or new)."""
     global _config
@@ -120,22 +188,38 @@ def current_config() -> Config:
     return _config
 
 
+def _scope_policy() -> Optional[str]:
+    """The innermost scope's policy, None outside every scope (or in a scope of ``None``)."""
+    if torch.compiler.is_compiling():
+        return _thread.compiled_policy
+    scopes = _scopes.get()
+    return scopes[-1].policy if scopes else None
+
+
 def active_policy() -> str:
-    return _thread.policy or _config.policy
+    return _scope_policy() or _config.policy
 
 
-def set_thread_policy(name: Optional[str]) -> Optional[str]:
-    """Set this thread's override; returns the previous one so a scope can restore it."""
-    previous = _thread.policy
-    _thread.policy = name
-    return previous
+@contextlib.contextmanager
+def scoped_policy(name: Optional[str]) -> Iterator[None]:
+    """Within the block, ``name`` is the policy of this context (``None``: the process-wide one)."""
+    scope = _Scope(name)
+    _set_scopes(_scopes.get() + (scope,))
+    try:
+        yield
+    finally:
+        _set_scopes(tuple(s for s in _scopes.get() if s is not scope))
+
+
+def _set_scopes(scopes: Tuple[_Scope, ...]) -> None:
+    _scopes.set(scopes)
+    _thread.compiled_policy = scopes[-1].policy if scopes else None
 
 
 def _targets() -> List[Tuple[Any, str, Callable[..., Any]]]:
     """Every (owner, attribute, wrapper) the shim patches; installed and removed together."""
     return [
         (torch.nn.functional, "batch_norm", _batch_norm_wrapper),
-        (torch.jit, "script", _script_wrapper),
         (torch.nn.modules.batchnorm._BatchNorm, "_apply", _module_apply_wrapper),
         (torch.nn.modules._functions.SyncBatchNorm, "apply", _sync_batch_norm_wrapper),
     ]
@@ -145,17 +229,26 @@ def is_installed() -> bool:
     return bool(_handles)
 
 
+def _ours(owner: Any, name: str) -> List[wrapt.FunctionWrapper]:
+    """Every amp_bn_fix wrapper in the chain at ``owner.name``, outermost first."""
+    return [w for w in wrapt.wrapper_chain(wrapt.resolve_path(owner, name)[2]) if _is_ours(w)]
+
+
 def install() -> bool:
     """Apply every patch not in place yet; returns False when there was none to apply.
 
     Each wrapper is recorded as soon as it is applied, so a failure part-way leaves nothing
     untracked: ``uninstall()`` removes what was applied and a later ``install()`` completes it.
+    A wrapper of ours that this module did not record (left by an earlier incarnation of it, after
+    ``importlib.reload``) is replaced, never stacked on.
     """
     with _lock:
         applied = False
         for owner, name, wrapper in _targets():
             if (owner, name) not in _handles:
-                _handles[owner, name] = wrapt.wrap_function_wrapper(owner, name, wrapper)
+                for stale in _ours(owner, name):
+                    wrapt.unwrap_object(owner, name, stale)
+                _handles[owner, name] = wrapt.wrap_object(owner, name, ShimWrapper, (wrapper,))
                 applied = True
         if applied:
             log.debug("patched torch.nn.functional.batch_norm (policy %s)", _config.policy)
@@ -163,21 +256,26 @@ def install() -> bool:
 
 
 def uninstall() -> bool:
-    """Remove our wrappers, restoring the very original objects; False when not all were removed.
+    """Remove our wrappers, restoring the very original objects; False when none or not all were.
 
-    Only our own wrappers are removed, by identity; wrapt wrappers others put on top stay. One
-    that cannot be removed (another library wrapped it without wrapt) stays in place and active,
-    with a warning; the others are removed, and ``install()`` restores them.
+    Only our own wrappers are removed, by identity (those of an earlier incarnation of this module
+    too); wrapt wrappers others put on top stay. One that cannot be removed (another library
+    wrapped it without wrapt) stays in place and active, with a warning; the others are removed,
+    and ``install()`` restores them.
     """
     with _lock:
-        if not _handles:
-            return False
-        for (owner, name), handle in reversed(list(_handles.items())):
-            try:
-                wrapt.unwrap_object(owner, name, handle, missing_ok=True)
-            except wrapt.WrapperNotOutermostError as exc:
-                warnings.warn(f"amp_bn_fix: could not remove the patch: {exc}", RuntimeWarning, stacklevel=3)
-                continue
-            del _handles[owner, name]
-        log.debug("restored torch.nn.functional.batch_norm")
-        return not _handles
+        found, removed_all = False, True
+        for owner, name, _ in reversed(_targets()):
+            for handle in _ours(owner, name):
+                found = True
+                try:
+                    wrapt.unwrap_object(owner, name, handle)
+                except wrapt.WrapperNotOutermostError as exc:
+                    warnings.warn(f"amp_bn_fix: could not remove the patch: {exc}", RuntimeWarning, stacklevel=3)
+                    removed_all = False
+                    continue
+                if _handles.get((owner, name)) is handle:
+                    del _handles[owner, name]
+        if found and removed_all:
+            log.debug("restored torch.nn.functional.batch_norm")
+        return found and removed_all

@@ -11,9 +11,10 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from . import _kernels
-from ._compat import autocast_disabled, autocast_dtype, autocast_enabled
+from ._compat import autocast_disabled, autocast_dtype, autocast_enabled, has_internal_overlap, plain_eager
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+_aten = torch.ops.aten
 
 
 class BatchNormCall(NamedTuple):
@@ -56,12 +57,29 @@ def _is_mixed(call: BatchNormCall) -> bool:
     )
 
 
+def _torch_decides(call: BatchNormCall) -> bool:
+    """Whether ``call`` goes to torch untouched: calls torch rejects, or whose update it owns.
+
+    A non-tensor parameter or statistic gets torch's own ``TypeError``; in training, running stats
+    that require grad get torch's refusal, and stats whose elements share memory (expanded, stride
+    0) get torch's own update, which no copy-and-write-back can reproduce.
+    """
+    tensors = (call.running_mean, call.running_var, call.weight, call.bias)
+    if any(t is not None and not isinstance(t, torch.Tensor) for t in tensors):
+        return True
+    if call.training:
+        for stat in (call.running_mean, call.running_var):
+            if stat is not None and (stat.requires_grad or has_internal_overlap(stat)):
+                return True
+    return False
+
+
 def output_dtype(policy: str, call: BatchNormCall) -> Optional[torch.dtype]:
     """The output dtype of a handled call, or ``None`` when the call runs natively.
 
     The caller has already checked that the input is float16/bfloat16 on a selected device.
     """
-    if policy == "off":
+    if policy == "off" or _torch_decides(call):
         return None
     device_type = call.input.device.type
     if autocast_enabled(device_type):
@@ -77,36 +95,47 @@ def output_dtype(policy: str, call: BatchNormCall) -> Optional[torch.dtype]:
 
 
 def to_fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    # A differentiable cast: gradients flow back to the original tensor in its own dtype.
+    # A differentiable cast: gradients flow back to the original tensor in its own dtype. As a
+    # copy op, unlike ``t.float()``: torch.export pins the input dtype of ``.to`` calls, which
+    # would stop an exported program from running without autocast.
     # Non-float tensors are left for the kernel to reject with torch's own error.
-    return t if t is None or t.dtype is torch.float32 or not t.is_floating_point() else t.float()
+    if t is None or t.dtype is torch.float32 or not t.is_floating_point():
+        return t
+    return _aten._to_copy(t, dtype=torch.float32)
 
 
 def _working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Optional[torch.Tensor]:
     """The FP32 tensor the kernel reads (and, in training, updates in place).
 
-    It is ``stat`` itself when that is already FP32 and needs no protection, so module buffers
-    see the update directly; otherwise an FP32 copy that is written back afterwards.
+    Read-only (eval), it is ``stat`` cast to FP32 like any input, gradients included. Updated,
+    it is ``stat`` itself when that is already FP32 and needs no protection, so module buffers see
+    the update directly; otherwise an FP32 copy that is written back afterwards.
     """
     if stat is None or not stat.is_floating_point():
         return stat  # a non-float stat is left for the kernel to reject with torch's own error
-    if stat.dtype is torch.float32 and not (updates and guard):
+    if not updates:
+        return to_fp32(stat)
+    if stat.dtype is torch.float32 and not guard:
         return stat
     return stat.detach().to(torch.float32, copy=True)
 
 
 @torch.no_grad()
-def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], guard: bool) -> None:
-    """Copy the updated working stats into the caller's tensors."""
+def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], guard: bool, eager: bool) -> None:
+    """Copy the updated working stats into the caller's tensors.
+
+    In plain eager mode the copy goes through ``.data``, like the native kernels' update: it bumps
+    no version counter, so an earlier eval-mode call that saved ``stat`` for its backward still
+    works. Anywhere else (tracers, ``torch.func`` transforms, where ``.data`` is invisible or
+    forbidden) it is an ordinary in-place copy, which every tracer records as a buffer update.
+    """
     if guard:
         # Device-side select, no host sync: a non-finite batch leaves the stats exactly as they were.
         finite = torch.isfinite(torch.cat(new)).all()
         new = tuple(torch.where(finite, n, s.to(torch.float32)) for s, n in zip(stats, new))
     for stat, value in zip(stats, new):
         if value is not stat:
-            # Through ``.data``, like the native kernels' update, the write bumps no version
-            # counter: an earlier eval-mode call may have saved ``stat`` for its backward.
-            stat.data.copy_(value)
+            (stat.data if eager else stat).copy_(value)
 
 
 def with_working_stats(
@@ -114,20 +143,22 @@ def with_working_stats(
     running_var: Optional[torch.Tensor],
     updates: bool,
     guard: bool,
+    eager: bool,
     compute: Callable[[Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor],
 ) -> torch.Tensor:
     """``compute(mean, var)`` on FP32 running stats, then the update written back to the caller's.
 
     FP32 stats that need no protection are passed as they are (updated in place); others, and
     all of them with ``guard`` in training, as FP32 copies written back afterwards, which the
-    guard skips when the new statistics are not finite.
+    guard skips when the new statistics are not finite. ``eager``: the call runs in plain eager
+    mode (see :func:`_write_back`).
     """
     work_mean = _working_stat(running_mean, updates, guard)
     work_var = _working_stat(running_var, updates, guard)
     out = compute(work_mean, work_var)
     if updates and running_mean is not None and running_var is not None:
         if work_mean is not running_mean or work_var is not running_var:
-            _write_back((running_mean, running_var), (work_mean, work_var), guard)  # type: ignore[arg-type]
+            _write_back((running_mean, running_var), (work_mean, work_var), guard, eager)  # type: ignore[arg-type]
     return out
 
 
@@ -139,18 +170,19 @@ def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard
     untouched (the output still carries the inf/NaN, so GradScaler sees it).
     """
     input, running_mean, running_var, weight, bias, training, momentum, eps = call
+    # The fast paths (see ``_kernels``) compute what the reference ``original(to_fp32(input), ...)``
+    # computes without copying the input to FP32 for the statistics; only in plain eager mode on CPU.
+    eager = plain_eager(input, running_mean, running_var, weight, bias)
+    fast = eager and input.is_cpu
     weight, bias = to_fp32(weight), to_fp32(bias)
 
     def compute(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
         with autocast_disabled(input.device.type):
-            # The fast paths compute what the reference ``original(input.float(), ...)`` computes,
-            # without copying the input to FP32 for the statistics (see ``_kernels``).
-            fast = _kernels.fast_path_applies(input, mean, var, weight, bias)
             if fast and out_dtype is input.dtype and _kernels.mixed_kernel_layout(input) is not None:
                 return _kernels.mixed_batch_norm(original, input, mean, var, weight, bias, training, momentum, eps)
             if fast and _kernels.fp32_train_eligible(input, mean, var, weight, bias, training, momentum, eps):
                 return _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
-            return original(input.float(), mean, var, weight, bias, training, momentum, eps)
+            return original(to_fp32(input), mean, var, weight, bias, training, momentum, eps)
 
-    out = with_working_stats(running_mean, running_var, bool(training), guard, compute)
+    out = with_working_stats(running_mean, running_var, bool(training), guard, eager, compute)
     return out if out.dtype is out_dtype else out.to(out_dtype)

@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from . import _policy
-from ._compat import autocast_disabled
+from ._compat import autocast_disabled, plain_eager
 
 
 class SyncCall(NamedTuple):
@@ -55,7 +55,7 @@ def fp32_sync_batch_norm(
     def compute(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
         with autocast_disabled(call.input.device.type):
             return original(
-                call.input.float(),
+                _policy.to_fp32(call.input),
                 _policy.to_fp32(call.weight),
                 _policy.to_fp32(call.bias),
                 mean,
@@ -66,5 +66,6 @@ def fp32_sync_batch_norm(
                 call.world_size,
             )
 
-    out = _policy.with_working_stats(call.running_mean, call.running_var, True, guard, compute)
+    eager = plain_eager(call.input, call.weight, call.bias, call.running_mean, call.running_var)
+    out = _policy.with_working_stats(call.running_mean, call.running_var, True, guard, eager, compute)
     return out if out.dtype is out_dtype else out.to(out_dtype)

@@ -16,7 +16,7 @@ def default_shim():
     _patch.configure(_config.Config())
     _patch.install()
     yield
-    _patch.set_thread_policy(None)
+    _patch._set_scopes(())
     _patch.configure(_config.Config())
     _patch.install()
 

@@ -459,21 +459,3 @@ def test_vmap_and_functional_call():
     assert out.dtype is torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     assert not torch.equal(state["running_mean"], bn.running_mean)  # the passed-in buffers got the update
-
-
-def test_torchscript_warns_once_that_the_policy_is_absent(monkeypatch):
-    monkeypatch.setattr(_patch, "_script_warned", False)
-
-    def ours(caught):
-        return [w for w in caught if str(w.message).startswith("amp_bn_fix")]
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.jit.script(nn.Sequential(nn.Linear(2, 2)))
-        assert not ours(caught)  # nothing to say without BatchNorm
-        scripted = torch.jit.script(nn.Sequential(nn.BatchNorm1d(4)))
-        torch.jit.script(nn.BatchNorm1d(4))
-    (warning,) = ours(caught)
-    assert issubclass(warning.category, RuntimeWarning) and "TorchScript" in str(warning.message)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert scripted(torch.randn(3, 4).bfloat16()).dtype is torch.bfloat16  # the documented limit
