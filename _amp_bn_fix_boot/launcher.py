@@ -1,10 +1,14 @@
-"""The ``amp-bn-fix`` console script and its ``run`` command (the launcher).
+"""The ``amp-bn-fix`` command line: its console script (also ``python -m amp_bn_fix``) and ``run``.
+
+Every argument is parsed here, without importing torch or amp_bn_fix, so ``--help`` and argument
+errors cost no torch import. ``demo`` and ``check`` need torch: they check the settings in the
+environment first (a bad one is one line on stderr and exit status 2), then run from
+``amp_bn_fix._cli``.
 
 ``amp-bn-fix run [--policy P] [--devices D] -- CMD [ARGS...]`` sets ``AMP_BN_FIX=1`` and the given
 settings, puts the bootstrap folder (whose sitecustomize starts the hook) first on ``PYTHONPATH``
 and replaces itself with ``CMD``: the exit code is the command's, and every Python process it starts
-inherits the environment. ``run`` is handled here without importing torch; every other command is
-passed on to ``amp_bn_fix._cli``.
+inherits the environment.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from . import config
 
+PROG = "amp-bn-fix"
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 
 
@@ -27,12 +32,62 @@ def _devices(value: str) -> str:
     return "all" if devices is None else ",".join(sorted(devices))
 
 
-def add_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
-    """Add the ``run`` command to ``commands`` (the subparsers of an ``amp-bn-fix`` parser)."""
+def _error(problem: str) -> int:
+    """A usage error that is not in the arguments: one line, exit status 2 (as argparse's)."""
+    print(f"{PROG}: error: {problem}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole ``amp-bn-fix`` parser: ``demo``, ``check`` and ``run``."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run BatchNorm in FP32 under torch.autocast: see the shim work (demo), check an "
+        "installation (check) or run a program with the shim enabled in all of its Python processes (run).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo",
+        help="each layer's output dtype under autocast, without and with the shim",
+        description="The network of the bug report pytorch#88929 (Linear -> BatchNorm1d -> Linear) under "
+        "CPU autocast (and CUDA when present): each layer's output dtype without the shim, with it, and the "
+        "one expected with the policy in force. Exits with 1 when a layer does not have the expected dtype.",
+    )
+    demo.set_defaults(func=_in_package("demo"))
+    check = commands.add_parser(
+        "check",
+        help="versions, devices, settings, start-up hook and a self-test",
+        description="Print the versions, the devices autocast can use, whether the shim is active, each "
+        "setting and where it came from, the start-up hook's state and a self-test on each device. Exits "
+        "with 1 when the self-test fails.",
+    )
+    check.set_defaults(func=_in_package("check"))
+    add_run_parser(commands)
+    return parser
+
+
+def _in_package(name: str) -> Callable[[argparse.Namespace], int]:
+    """A command that runs ``amp_bn_fix._cli.<name>`` once the environment's settings are known good."""
+
+    def command(args: argparse.Namespace) -> int:
+        try:
+            config.load().from_env(os.environ)
+        except ValueError as exc:
+            # Importing amp_bn_fix would raise it as a traceback.
+            return _error(f"{exc} (from the environment)")
+        from amp_bn_fix import _cli
+
+        return getattr(_cli, name)(args)
+
+    return command
+
+
+def add_run_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+    """Add the ``run`` command to ``commands`` (the subparsers of the ``amp-bn-fix`` parser)."""
     settings = config.load()
     parser = commands.add_parser(
         "run",
-        usage="amp-bn-fix run [-h] [--policy P] [--devices D] -- CMD [ARGS...]",
+        usage=f"{PROG} run [-h] [--policy P] [--devices D] -- CMD [ARGS...]",
         help="run a command with the shim enabled in all of its Python processes",
         description="Run CMD with AMP_BN_FIX=1 and a start-up hook on PYTHONPATH, so that every "
         "Python process it starts (torchrun workers included) enables the shim when it imports torch.",
@@ -76,32 +131,25 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     command: List[str] = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
         parser.error("missing the command to run, e.g. amp-bn-fix run -- python train.py")
+    settings = config.load()
     try:
         env = environment(args.policy, args.devices)
     except ValueError as exc:
-        parser.error(f"{exc} (from the environment)")
+        return _error(f"{exc} (from the environment)")
+    try:
+        settings.parse_flag(os.environ.get(settings.ENV_ENABLE, "1"), settings.ENV_ENABLE)
+    except ValueError as exc:
+        # Harmless here, as run sets it; said once so that the shell's value gets fixed.
+        print(f"{PROG} run: warning: {exc}; the command runs with {settings.ENV_ENABLE}=1", file=sys.stderr)
     try:
         os.execvpe(command[0], command, env)
     except OSError as exc:
-        print(f"amp-bn-fix run: {command[0]}: {exc.strerror}", file=sys.stderr)
+        print(f"{PROG} run: {command[0]}: {exc.strerror}", file=sys.stderr)
         return 127 if isinstance(exc, FileNotFoundError) else 126
     raise AssertionError("unreachable: exec returned")  # pragma: no cover
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``amp-bn-fix`` console script."""
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments[:1] == ["run"]:
-        parser = argparse.ArgumentParser(prog="amp-bn-fix")
-        add_parser(parser.add_subparsers(dest="command", metavar="COMMAND"))
-        args = parser.parse_args(arguments)
-        return args.func(args)
-    # The other commands import amp_bn_fix, whose import raises on a bad setting: say it plainly.
-    try:
-        config.load().from_env()
-    except ValueError as exc:
-        print(f"amp-bn-fix: error: {exc} (from the environment)", file=sys.stderr)
-        return 2
-    from amp_bn_fix import _cli
-
-    return _cli.main(arguments)
+    """Entry point of the ``amp-bn-fix`` console script and of ``python -m amp_bn_fix``."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)

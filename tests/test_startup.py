@@ -81,16 +81,83 @@ def test_off_loads_nothing(value):
     assert result.stderr == ""
 
 
+@pytest.mark.slow
 def test_off_leaves_torch_alone():
     assert report(python(SEED))["bn_out"] == "torch.bfloat16"
 
 
-def test_on_loads_neither_torch_nor_amp_bn_fix_at_start_up():
+def test_on_loads_neither_torch_nor_wrapt_nor_amp_bn_fix_at_start_up():
     loaded = report(python(LOADED, {"AMP_BN_FIX": "1"}))
     assert loaded["_amp_bn_fix_boot.hook"] is True  # the hook ran...
-    assert loaded["torch"] is False and loaded["amp_bn_fix"] is False  # ...and imported neither
+    assert not (loaded["torch"] or loaded["wrapt"] or loaded["amp_bn_fix"])  # ...and imported none
 
 
+# Watches the hook's finder through a torch lookup, an unrelated reload and two imports of torch.
+WATCH = """
+import importlib, importlib.util, json, sys, types
+from _amp_bn_fix_boot import hook
+
+def finders():
+    return sum(type(f).__name__ == "_TorchFinder" for f in sys.meta_path)
+
+calls, incomplete = [], []
+enable = hook._enable
+def counting_enable(torch):
+    calls.append(torch.__name__)
+    incomplete.append(set(vars(torch)))  # the names torch has when the shim is enabled
+    enable(torch)
+hook._enable = counting_enable
+
+got = {"before": {n: n in sys.modules for n in ("torch", "wrapt", "amp_bn_fix")}, "finders": finders()}
+spec = importlib.util.find_spec("torch")  # a lookup, not an import: nothing fires
+got["spec"] = [spec.origin.endswith("__init__.py"), bool(spec.submodule_search_locations), spec.loader.is_package("torch")]
+importlib.reload(json)
+got["after lookup"] = [list(calls), finders()]
+import torch
+import torch.nn
+import torch
+import amp_bn_fix, wrapt
+import torch.nn.functional as F
+missing = [n for n, v in vars(torch).items() if n not in incomplete[0] and not isinstance(v, types.ModuleType)]
+got.update(calls=calls, finders_after=finders(), missing=missing)
+got.update(enabled=amp_bn_fix.is_enabled(), registered=hook.registered())
+got["loader"] = [type(torch.__loader__).__name__, torch.__spec__.loader is torch.__loader__]
+depth, function = 0, F.batch_norm
+while isinstance(function, wrapt.FunctionWrapper):
+    depth, function = depth + 1, function.__wrapped__
+got["wrappers"] = depth
+print(json.dumps(got))
+"""
+
+
+def test_the_hook_waits_for_the_end_of_import_torch_and_enables_the_shim_once():
+    got = report(python(WATCH, {"AMP_BN_FIX": "1"}))
+    assert got["before"] == {"torch": False, "wrapt": False, "amp_bn_fix": False}
+    assert got["finders"] == 1
+    assert got["spec"] == [True, True, True]  # torch's spec as the usual finders give it
+    assert got["after lookup"] == [[], 1]
+    assert got["calls"] == ["torch"] and got["wrappers"] == 1 and got["enabled"] and got["registered"]
+    assert got["missing"] == []  # torch's __init__ had run to the end
+    assert got["finders_after"] == 0  # the finder removed itself
+    assert got["loader"] == ["SourceFileLoader", True]  # torch keeps its own loader
+
+
+def test_the_hook_enables_the_shim_at_once_when_torch_is_already_imported():
+    # Without site, so the hook starts only when called, after torch's import.
+    paths = [str(ROOT), sysconfig.get_paths()["purelib"]]
+    code = (
+        f"import sys; sys.path[:0] = {paths!r}\n"
+        "import torch, wrapt\n"
+        "from _amp_bn_fix_boot import hook\n"
+        "hook.start()\n"
+        "waiting = any(type(f).__name__ == '_TorchFinder' for f in sys.meta_path)\n"
+        "print(sys.modules['amp_bn_fix'].is_enabled(), waiting)"
+    )
+    result = python(code, {"AMP_BN_FIX": "1"}, "-S")
+    assert (result.returncode, result.stdout.split(), result.stderr) == (0, ["True", "False"], "")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env, bn_out",
     [
@@ -140,12 +207,69 @@ def test_a_setting_broken_after_start_up_is_one_warning_line_at_torch_import():
     assert "AMP_BN_FIX_POLICY='bogus'" in line
 
 
-def test_an_unexpected_error_is_one_warning_line_and_the_program_runs_on(tmp_path):
+def test_an_error_enabling_the_shim_is_one_warning_line_and_torch_imports(tmp_path):
     (tmp_path / "wrapt.py").write_text("raise RuntimeError('broken wrapt')\n")
-    result = python("import sys; print('ran'); sys.exit(5)", {"AMP_BN_FIX": "1", "PYTHONPATH": str(tmp_path)})
-    assert (result.returncode, result.stdout.strip()) == (5, "ran")
+    code = "import sys, torch; print(type(torch.nn.functional.batch_norm).__name__); sys.exit(5)"
+    result = python(code, {"AMP_BN_FIX": "1", "PYTHONPATH": str(tmp_path)})
+    assert (result.returncode, result.stdout.strip()) == (5, "function")
     (line,) = warning_lines(result)
-    assert "start-up hook failed (RuntimeError: broken wrapt)" in line
+    assert "enabling failed (RuntimeError: broken wrapt)" in line
+
+
+def test_a_settings_module_that_exits_is_one_warning_line_at_torch_import(tmp_path):
+    # A broken amp_bn_fix ahead of the installed one; the hook loads its settings from there.
+    (tmp_path / "amp_bn_fix").mkdir()
+    (tmp_path / "amp_bn_fix" / "__init__.py").write_text("")
+    (tmp_path / "amp_bn_fix" / "_config.py").write_text("raise SystemExit(3)\n")
+    code = "import torch; print(type(torch.nn.functional.batch_norm).__name__)"
+    result = python(code, {"AMP_BN_FIX": "1", "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert (result.returncode, result.stdout.strip()) == (0, "function")
+    (line,) = warning_lines(result)
+    assert "enabling failed (SystemExit: 3)" in line
+
+
+@pytest.mark.parametrize(
+    "source, error",
+    [
+        ("raise RuntimeError('broken')", "RuntimeError: broken"),
+        ("raise SystemExit(9)", "SystemExit: 9"),
+        ("raise KeyboardInterrupt", "KeyboardInterrupt: "),
+        ("def (", "SyntaxError: "),
+    ],
+)
+@pytest.mark.parametrize("via", ["pth", "pth and launcher", "launcher only"])
+def test_a_broken_boot_package_is_one_warning_line_and_a_normal_run(tmp_path, source, error, via):
+    # A broken _amp_bn_fix_boot ahead of the installed one, seen by amp_bn_fix.pth and/or, with the
+    # launcher's bootstrap folder on the path, by its sitecustomize.
+    (tmp_path / "_amp_bn_fix_boot").mkdir()
+    (tmp_path / "_amp_bn_fix_boot" / "__init__.py").write_text(source + "\n")
+    paths = [str(tmp_path), str(ROOT / "_amp_bn_fix_boot" / "bootstrap")]
+    if via == "launcher only":  # no site, so no .pth: import the sitecustomize as site would
+        code = f"import sys; sys.path[:0] = {paths!r}; import sitecustomize; print('ran')"
+        result = python(code, {"AMP_BN_FIX": "1"}, "-S", cwd=tmp_path)
+    else:
+        env = {"AMP_BN_FIX": "1", "PYTHONPATH": os.pathsep.join(paths if via == "pth and launcher" else paths[:1])}
+        result = python("print('ran')", env, cwd=tmp_path)
+    assert (result.returncode, result.stdout.strip()) == (0, "ran")
+    (line,) = warning_lines(result)
+    assert f"amp_bn_fix: start-up hook failed ({error}" in line
+
+
+def test_a_moved_source_tree_is_one_warning_line_and_a_normal_run(tmp_path):
+    # The .pth file in a site directory from which _amp_bn_fix_boot cannot be imported, as after
+    # moving an editable install's source tree; read twice, as site does in a venv on Python 3.11.
+    (tmp_path / "site").mkdir()
+    shutil.copy(ROOT / "amp_bn_fix.pth", tmp_path / "site")
+    code = f"import site\nfor _ in range(2): site.addsitedir({str(tmp_path / 'site')!r})\nprint('ran')"
+    result = python(code, {"AMP_BN_FIX": "1"}, "-S", cwd=tmp_path)
+    assert (result.returncode, result.stdout.strip()) == (0, "ran")
+    (line,) = warning_lines(result)
+    assert "amp_bn_fix: start-up hook failed (ModuleNotFoundError: No module named '_amp_bn_fix_boot')" in line
+
+
+def test_the_pth_file_is_one_import_line():
+    lines = [line for line in (ROOT / "amp_bn_fix.pth").read_text().splitlines() if not line.startswith("#")]
+    assert len(lines) == 1 and lines[0].startswith("import ")
 
 
 def test_an_explicit_import_with_a_bad_setting_still_raises():
@@ -168,6 +292,7 @@ def test_the_start_file_entry_point_enables_the_shim_as_python_3_15_would_call_i
     assert report(python(code, {"AMP_BN_FIX": "1"}, "-S"))["bn_out"] == "torch.float32"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", ["build_wheel", "build_editable"])
 def test_wheels_ship_the_start_files_at_the_root_and_in_record(tmp_path, build):
     project = tmp_path / "project"

@@ -9,16 +9,21 @@ import sys
 
 
 def _start_hook() -> None:
+    if "_amp_bn_fix_boot.hook" in sys.modules and sys.modules["_amp_bn_fix_boot.hook"] is None:
+        return  # amp_bn_fix.pth failed to import the hook and said so
+    # As amp_bn_fix.pth: any failure, BaseException included (why: hook.start), is one warning line.
     try:
         from _amp_bn_fix_boot import hook
-    except ImportError:
+    except BaseException as exc:
         import logging
 
-        logging.getLogger("amp_bn_fix").warning(
-            "amp_bn_fix: not installed for %s; running without the shim", sys.executable
-        )
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "_amp_bn_fix_boot":
+            problem = f"not installed for {sys.executable}"
+        else:
+            problem = f"start-up hook failed ({type(exc).__name__}: {exc})"
+        logging.getLogger("amp_bn_fix").warning("amp_bn_fix: %s; running without the shim", problem)
         return
-    hook.start()
+    hook.start()  # never raises
 
 
 def _chain() -> None:
