@@ -1,11 +1,18 @@
-"""torchrun with two CPU ranks (gloo): ``AMP_BN_FIX=1`` alone enables the shim in every worker."""
+"""torchrun with two CPU ranks (gloo): ``AMP_BN_FIX=1`` alone enables the shim in every worker.
+
+DDP, FSDP2, FSDP1 and SyncBatchNorm; the workers (ddp_worker.py, dist_worker.py) never import amp_bn_fix.
+"""
 
 import json
+import math
 import os
 import pathlib
 import sys
 
 import pytest
+import torch
+
+pytestmark = pytest.mark.slow
 
 WORKER = pathlib.Path(__file__).resolve().parent / "ddp_worker.py"
 RANKS = 2
@@ -32,3 +39,195 @@ def test_torchrun_ddp_workers_get_the_shim_from_the_environment(tmp_path, policy
     stats = [report["stats_at_forward"] for report in reports]
     assert stats[0] == stats[1]
     assert stats[0][0] != stats[0][-1]
+
+
+# ---- FSDP2, FSDP1, DDP without buffer broadcast, SyncBatchNorm: tests/dist_worker.py ------------
+
+DIST_WORKER = pathlib.Path(__file__).resolve().parent / "dist_worker.py"
+POLICIES = ["fp32", "input", "autocast", "off"]
+# Errors torch raises on CPU, with or without the shim: exact on the version they were read from,
+# only that there is one elsewhere (older releases word some differently, or fail in another check).
+ERRORS_READ_ON = "2.13."
+BF16_WEIGHT_FP32_STATS = "RuntimeError: expected scalar type BFloat16 but found Float"
+FSDP1_NEEDS_DEVICE_ID = "RuntimeError: FSDP needs a non-CPU accelerator device, but no accelerator device is detected."
+DDP_SYNCBN_ON_CPU = "ValueError: SyncBatchNorm layers only work with GPU modules"
+SYNCBN_TRAIN_ON_CPU = "ValueError: SyncBatchNorm expected input tensor to be on GPU or XPU or privateuseone"
+
+_dist_reports = {}
+
+
+def dist_reports(policy, run_torchrun, tmp_path_factory, ranks=RANKS, scenarios=()):
+    """Every rank's reports of dist_worker.py's scenarios (all by default) under ``policy``.
+
+    One torchrun job per policy, rank count and scenario list, shared by the tests that read it.
+    """
+    key = (policy, ranks, tuple(scenarios))
+    if key not in _dist_reports:
+        out = tmp_path_factory.mktemp(f"dist-{policy}-{ranks}")
+        env = {**os.environ, "AMP_BN_FIX": "1", "AMP_BN_FIX_POLICY": policy, "OMP_NUM_THREADS": "1"}
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            str(DIST_WORKER), str(out), *scenarios,
+        ]
+        result = run_torchrun(command, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-6000:]
+        _dist_reports[key] = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+    reports = _dist_reports[key]
+    for report in reports:  # the environment alone set the shim up in every worker
+        assert report["shim"] == {"loaded": True, "enabled": policy != "off", "policy": policy}
+    return reports
+
+
+def assert_error(run, expected):
+    assert "error" in run, run
+    if torch.__version__.startswith(ERRORS_READ_ON):
+        assert run["error"] == expected
+
+
+def expected_out(policy, autocast):
+    """BatchNorm's output dtype for a bfloat16 input next to FP32 running stats."""
+    if autocast and policy == "fp32":
+        return "torch.float32"
+    # Under autocast: the input's (input) or autocast's (autocast) dtype, both bfloat16 here. Outside
+    # autocast (FSDP's param_dtype is no autocast region) a bfloat16 input with FP32 running stats is a
+    # mixed call: computed in FP32 and returned in the input's dtype, whatever the policy.
+    return "torch.bfloat16"
+
+
+def out_tolerance(dtype):
+    # Error relative to the largest float64 value: FP32 arithmetic, then one rounding to the output dtype.
+    return 1e-5 if dtype == "torch.float32" else 8e-3
+
+
+def assert_trained_in_fp32(scenario, reports, out_dtype, weight_dtype, input_dtype="torch.bfloat16"):
+    """Every call as described, checked against float64; stats FP32, finite, averaged by the sync."""
+    for report in reports:
+        run = report["scenarios"][scenario]
+        assert "error" not in run, (scenario, run["error"])
+        assert len(run["losses"]) == 3 and all(math.isfinite(loss) for loss in run["losses"]), (scenario, run)
+        assert len(run["calls"]) == 2 * 3  # two BatchNorms, three steps
+        for call in run["calls"]:
+            assert (call["input"], call["weight"], call["stats"], call["out"]) == (
+                input_dtype, weight_dtype, "torch.float32", out_dtype
+            ), (scenario, call)
+            assert call["out_err"] < out_tolerance(out_dtype), (scenario, call)
+            # An FP32 running-stat update from FP32 statistics: bfloat16 arithmetic would be ~1e-3 off.
+            assert call["stats_err"] < 1e-5, (scenario, call)
+        assert run["stats_finite"] is True
+    assert_synchronised(scenario, reports)
+
+
+def assert_synchronised(scenario, reports):
+    """Each rank's stats come from its own batches; after the all-reduce they are all the mean."""
+    before = [report["scenarios"][scenario]["stats_before_sync"] for report in reports]
+    after = [report["scenarios"][scenario]["stats_after_sync"] for report in reports]
+    assert before[0] != before[1], scenario
+    assert after[0] == after[1], scenario
+    for i, stat in enumerate(after[0]):
+        mean = [sum(rank[i][c] for rank in before) / len(before) for c in range(len(stat))]
+        assert stat == pytest.approx(mean, rel=1e-6, abs=1e-6), scenario
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fsdp2_bf16_params_batchnorm_in_fp32_with_fp32_stats(policy, run_torchrun, tmp_path_factory):
+    """fully_shard with MixedPrecisionPolicy(param_dtype=bfloat16), outside and inside autocast.
+
+    BatchNorm's weight and bias arrive in bfloat16, its running stats (buffers, which FSDP2 leaves
+    alone) stay FP32: torch's CPU kernel rejects that mix, the shim computes it in FP32.
+    """
+    reports = dist_reports(policy, run_torchrun, tmp_path_factory)
+    for scenario, autocast in [("fsdp2", False), ("fsdp2-autocast", True)]:
+        if policy == "off":  # torch's own behaviour, the same without the shim
+            for report in reports:
+                run = report["scenarios"][scenario]
+                assert_error(run, BF16_WEIGHT_FP32_STATS)
+                assert run["losses"] == []
+            continue
+        assert_trained_in_fp32(scenario, reports, expected_out(policy, autocast), "torch.bfloat16")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fsdp1_mixed_precision_on_cpu(policy, run_torchrun, tmp_path_factory):
+    """FullyShardedDataParallel with MixedPrecision(param_dtype=bfloat16) and device_id=cpu."""
+    reports = dist_reports(policy, run_torchrun, tmp_path_factory)
+    for report in reports:
+        # Without device_id FSDP1 refuses a CPU-only machine before it looks at the model.
+        assert_error(report["scenarios"]["fsdp1-no-device-id"], FSDP1_NEEDS_DEVICE_ID)
+
+    # One FSDP unit for the whole model, or an auto_wrap_policy with MixedPrecision(...,
+    # _module_classes_to_ignore=()): BatchNorm gets bfloat16 weights next to FP32 stats, as in FSDP2.
+    for scenario, autocast in [("fsdp1", False), ("fsdp1-autocast", True), ("fsdp1-autowrap-bn-mixed-autocast", True)]:
+        if policy == "off":
+            for report in reports:
+                assert_error(report["scenarios"][scenario], BF16_WEIGHT_FP32_STATS)
+            continue
+        assert_trained_in_fp32(scenario, reports, expected_out(policy, autocast), "torch.bfloat16")
+
+    # With an auto_wrap_policy, FSDP1 wraps each BatchNorm in its own unit without mixed precision
+    # (MixedPrecision._module_classes_to_ignore) and casts its input to FP32 and its output back to
+    # the input's dtype: BatchNorm never sees bfloat16, so every policy gives FSDP's bfloat16.
+    assert_trained_in_fp32(
+        "fsdp1-autowrap-autocast", reports, "torch.bfloat16", "torch.float32", input_dtype="torch.float32"
+    )
+
+    # buffer_dtype=bfloat16 makes the running stats bfloat16: FSDP1 casts buffers itself, not
+    # through Module._apply, so the shim cannot keep them FP32. It still computes in FP32 and
+    # writes the update back into the bfloat16 buffers.
+    for report in reports:
+        run = report["scenarios"]["fsdp1-buffer-bf16-autocast"]
+        assert "error" not in run and all(math.isfinite(loss) for loss in run["losses"])
+        for call in run["calls"]:
+            assert call["stats"] == "torch.bfloat16"
+            assert call["out"] == ("torch.bfloat16" if policy == "off" else expected_out(policy, True))
+        assert run["stats_finite"] is True
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_ddp_without_buffer_broadcast(policy, run_torchrun, tmp_path_factory):
+    """DDP(broadcast_buffers=False): each rank keeps its own FP32 stats until they are averaged."""
+    reports = dist_reports(policy, run_torchrun, tmp_path_factory)
+    # The model is FP32 under autocast: a bfloat16 input with FP32 weight and stats. With the policy
+    # off it is torch's mixed-dtype kernel (bfloat16 out, FP32 arithmetic and stats).
+    out_dtype = "torch.bfloat16" if policy == "off" else expected_out(policy, True)
+    assert_trained_in_fp32("ddp-no-broadcast", reports, out_dtype, "torch.float32")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sync_batchnorm_on_cpu(policy, run_torchrun, tmp_path_factory):
+    """SyncBatchNorm's syncing path refuses CPU; its non-syncing path goes through the shim."""
+    reports = dist_reports(policy, run_torchrun, tmp_path_factory)
+    out_dtype = "torch.bfloat16" if policy == "off" else expected_out(policy, True)
+    for report in reports:
+        runs = report["scenarios"]
+        # Whatever broadcast_buffers says, DDP refuses a CPU model with SyncBatchNorm layers ...
+        assert_error(runs["ddp-syncbn"], DDP_SYNCBN_ON_CPU)
+        # ... and SyncBatchNorm itself, training with a process group, refuses a CPU input before it
+        # looks at the world size (one rank as well), before reaching F.batch_norm or the sync function.
+        assert_error(runs["syncbn-train"], SYNCBN_TRAIN_ON_CPU)
+        assert runs["syncbn-train"]["kinds"] == ["SyncBatchNorm"]
+
+        # Eval mode never syncs: F.batch_norm with the running stats, under the policy.
+        run = runs["syncbn-eval"]
+        assert run["kinds"] == ["SyncBatchNorm"] and run["stats_unchanged"] is True
+        assert len(run["calls"]) == 2
+        for call in run["calls"]:
+            assert (call["input"], call["stats"], call["out"]) == ("torch.bfloat16", "torch.float32", out_dtype)
+            assert call["training"] is False and call["out_err"] < out_tolerance(out_dtype), call
+
+        # Training before init_process_group (a single process) does not sync either.
+        run = runs["syncbn-no-group"]
+        assert run["kinds"] == ["SyncBatchNorm"] and "error" not in run
+        assert len(run["losses"]) == 3 and all(math.isfinite(loss) for loss in run["losses"])
+        for call in run["calls"]:
+            assert (call["input"], call["stats"], call["out"]) == ("torch.bfloat16", "torch.float32", out_dtype)
+            assert call["out_err"] < out_tolerance(out_dtype) and call["stats_err"] < 1e-5, call
+
+
+def test_sync_batchnorm_on_cpu_with_one_rank(run_torchrun, tmp_path_factory):
+    """World size 1 does not help on CPU: the device check comes before the world-size check."""
+    (report,) = dist_reports("fp32", run_torchrun, tmp_path_factory, 1, ["ddp-syncbn", "syncbn-train", "syncbn-eval"])
+    runs = report["scenarios"]
+    assert_error(runs["ddp-syncbn"], DDP_SYNCBN_ON_CPU)
+    assert_error(runs["syncbn-train"], SYNCBN_TRAIN_ON_CPU)
+    assert [call["out"] for call in runs["syncbn-eval"]["calls"]] == ["torch.float32"] * 2
+    assert all(call["out_err"] < 1e-5 for call in runs["syncbn-eval"]["calls"])

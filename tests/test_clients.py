@@ -1,0 +1,212 @@
+"""The shim under the training code users already run.
+
+Clients (slow): Lightning and HF accelerate run a few real training steps on CPU in a subprocess
+(tests/client_worker.py) where only the environment, ``AMP_BN_FIX=1``, enables the shim; skipped
+when the client is not installed (``pip install -e '.[clients]'``).
+
+Model patterns: torchvision's and timm's wheels on the package index need the CUDA build of torch,
+so their BatchNorm patterns are rebuilt from torch.nn (tests/bn_probe.py) and checked here, in
+process, against float64: a ResNet basic block, a MobileNet-style depthwise block and timm's
+``BatchNormAct2d``, which calls ``F.batch_norm`` itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp_bn_fix
+from bn_probe import BatchNormAct2d, Watch, bn_modules, mobilenet, resnet
+
+CLIENT_WORKER = pathlib.Path(__file__).resolve().parent / "client_worker.py"
+POLICIES = ["fp32", "input", "autocast", "off"]
+# Under bfloat16 autocast, for a bfloat16 input: what each policy returns ("off" is torch's own).
+OUT_DTYPE = {"fp32": torch.float32, "input": torch.bfloat16, "autocast": torch.bfloat16, "off": torch.bfloat16}
+
+
+def out_tolerance(dtype) -> float:
+    # Error relative to the largest float64 value: FP32 arithmetic, then one rounding to the output dtype.
+    return 1e-5 if str(dtype) == "torch.float32" else 8e-3
+
+
+# ---- clients, in a subprocess ------------------------------------------------------------------
+
+
+def skip_unless_installed(*names: str) -> None:
+    """``pytest.importorskip`` without the import: the client runs in a subprocess, and importing
+    Lightning here (seconds, and torch._dynamo with it) would only change the test process."""
+    if not any(importlib.util.find_spec(name) is not None for name in names):
+        pytest.skip(f"{' or '.join(names)} not installed (pip install -e '.[clients]')")
+
+
+def run_client(client: str, policy: str, tmp_path: pathlib.Path) -> dict:
+    out = tmp_path / f"{client}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
+    env.update(AMP_BN_FIX="1", AMP_BN_FIX_POLICY=policy, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, str(CLIENT_WORKER), client, str(out)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    report = json.loads(out.read_text())
+    # The environment alone enabled the shim in the client's process, with the policy asked for.
+    assert report["shim"] == {"loaded": True, "enabled": True, "policy": policy}
+    assert report["losses_finite"] is True and len(report["losses"]) == 3
+    assert report["stats_dtypes"] == ["torch.float32"] and report["stats_finite"] is True
+    assert report["stats_moved"] is True
+    assert len(report["calls"]) == 6 * 3  # six BatchNorms, three steps
+    return report
+
+
+def assert_calls(report: dict, autocast: bool, weight: str, out: str) -> None:
+    for call in report["calls"]:
+        assert call["training"] is True and call["autocast"] is autocast, call
+        assert (call["input"], call["weight"], call["stats"], call["out"]) == (
+            "torch.bfloat16", weight, "torch.float32", out
+        ), call
+        assert call["out_err"] < out_tolerance(out), call
+        # FP32 running-stat updates (bfloat16 stats, as torch keeps them in a bfloat16 model, are ~5e-3 off).
+        assert call["stats_err"] < 1e-5, call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fp32", "input"])
+def test_lightning_bf16_mixed(policy, tmp_path):
+    """Trainer(precision="bf16-mixed"): training_step under CPU autocast, an FP32 model."""
+    skip_unless_installed("lightning", "pytorch_lightning")
+    report = run_client("lightning-bf16-mixed", policy, tmp_path)
+    assert report["precision"] == "bf16-mixed" and report["param_dtypes"] == ["torch.float32"]
+    assert_calls(report, autocast=True, weight="torch.float32", out=str(OUT_DTYPE[policy]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fp32", "input"])
+def test_lightning_bf16_true(policy, tmp_path):
+    """Trainer(precision="bf16-true"): the model is cast to bfloat16, no autocast.
+
+    Lightning casts with ``module.to(torch.bfloat16)``; the shim keeps the running stats FP32
+    (torch alone makes them bfloat16). BatchNorm then gets bfloat16 input and weights next to FP32
+    stats outside autocast: computed in FP32, returned in bfloat16 whatever the policy.
+    """
+    skip_unless_installed("lightning", "pytorch_lightning")
+    report = run_client("lightning-bf16-true", policy, tmp_path)
+    assert report["precision"] == "bf16-true" and report["param_dtypes"] == ["torch.bfloat16"]
+    assert_calls(report, autocast=False, weight="torch.bfloat16", out="torch.bfloat16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fp32", "input"])
+def test_accelerate_bf16_on_cpu(policy, tmp_path):
+    """Accelerator(mixed_precision="bf16", cpu=True): prepare() runs forward under CPU autocast."""
+    skip_unless_installed("accelerate")
+    report = run_client("accelerate-bf16", policy, tmp_path)
+    assert report["precision"] == "bf16" and report["param_dtypes"] == ["torch.float32"]
+    assert_calls(report, autocast=True, weight="torch.float32", out=str(OUT_DTYPE[policy]))
+
+
+# ---- torchvision / timm patterns, in process -----------------------------------------------------
+
+
+def images(n: int = 8, size: int = 16) -> torch.Tensor:
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1)) * 20 + 50
+
+
+@pytest.mark.parametrize("make", [resnet, mobilenet], ids=["resnet-basic-block", "mobilenet-depthwise"])
+def test_model_patterns_under_autocast_per_policy(make):
+    torch.manual_seed(0)
+    model = make()
+    watched = [m for m in bn_modules(model) if type(m) is torch.nn.BatchNorm2d]  # BatchNormAct2d: below
+    assert len(watched) >= 4
+    for policy in POLICIES:
+        trained = copy.deepcopy(model)
+        watch = Watch([m for m in bn_modules(trained) if type(m) is torch.nn.BatchNorm2d])
+        with torch.autocast("cpu", dtype=torch.bfloat16), amp_bn_fix.policy(policy):
+            logits = trained(images())
+        loss = F.cross_entropy(logits.float(), torch.arange(8) % 4)
+        loss.backward()
+        assert math.isfinite(loss.item())
+        assert len(watch.calls) == len(watched)
+        for call in watch.calls:
+            assert call["input"] == "torch.bfloat16" and call["stats"] == "torch.float32", (policy, call)
+            assert call["out"] == str(OUT_DTYPE[policy]), (policy, call)
+            assert call["out_err"] < out_tolerance(call["out"]), (policy, call)
+            assert call["stats_err"] < 1e-5, (policy, call)
+        assert all(torch.isfinite(p.grad).all() and p.grad.dtype == torch.float32 for p in trained.parameters())
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_batchnorm_subclass_calling_f_batch_norm_itself(training):
+    """timm's BatchNormAct2d: the shim reaches F.batch_norm inside a subclass's own forward."""
+    torch.manual_seed(0)
+    bn = BatchNormAct2d(8)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.linspace(40, 60, 8))
+        bn.running_var.copy_(torch.linspace(300, 500, 8))
+        bn.weight.copy_(torch.linspace(0.5, 1.5, 8))
+        bn.bias.copy_(torch.linspace(-1, 1, 8))
+    bn.train(training)
+    x = (torch.randn(8, 8, 6, 6, generator=torch.Generator().manual_seed(2)) * 20 + 50).to(torch.bfloat16)
+    mean64, var64 = bn.running_mean.double(), bn.running_var.double()
+    expected = F.silu(
+        F.batch_norm(x.double(), mean64, var64, bn.weight.detach().double(), bn.bias.detach().double(),
+                     training, bn.momentum, bn.eps)
+    )
+    for policy in POLICIES:
+        module = copy.deepcopy(bn)
+        with torch.autocast("cpu", dtype=torch.bfloat16), amp_bn_fix.policy(policy):
+            out = module(x)
+        assert out.dtype == OUT_DTYPE[policy], policy
+        err = (out.double() - expected).abs().max() / expected.abs().max()
+        assert err < out_tolerance(out.dtype), (policy, err)
+        assert module.running_mean.dtype == module.running_var.dtype == torch.float32
+        for got, want in ((module.running_mean, mean64), (module.running_var, var64)):
+            assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-5, policy
+
+
+@pytest.mark.slow
+def test_compiled_resnet_under_autocast_has_no_graph_break():
+    """torch.compile of the ResNet pattern under autocast: one graph, and it matches eager."""
+    torch.manual_seed(0)
+    model = resnet()
+    stem = torch.nn.Sequential(*model[:2])
+
+    def step(net, stem, x):
+        # The logits, and the stem's BatchNorm output, whose dtype is the policy's.
+        return net(x), stem(x)
+
+    x = images()
+    torch._dynamo.reset()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            explained = torch._dynamo.explain(step)(copy.deepcopy(model), copy.deepcopy(stem), x)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        assert explained.graph_count == 1
+
+        eager_model, compiled_model = copy.deepcopy(model), copy.deepcopy(model)
+        eager_stem = torch.nn.Sequential(*eager_model[:2])
+        compiled_stem = torch.nn.Sequential(*compiled_model[:2])
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want_logits, want_bn = step(eager_model, eager_stem, x)
+            got_logits, got_bn = compiled(compiled_model, compiled_stem, x)
+        assert got_bn.dtype == want_bn.dtype == torch.float32  # the default policy, fp32
+        torch.testing.assert_close(got_bn, want_bn, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_logits, want_logits, rtol=2e-2, atol=2e-2)
+        got_logits.float().sum().backward()
+        want_logits.float().sum().backward()
+        for got, want in zip(bn_modules(compiled_model), bn_modules(eager_model)):
+            assert got.running_var.dtype == torch.float32
+            torch.testing.assert_close(got.running_var, want.running_var, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got.weight.grad, want.weight.grad, rtol=5e-2, atol=5e-2)
+    finally:
+        torch._dynamo.reset()
