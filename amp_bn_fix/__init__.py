@@ -1,9 +1,9 @@
 r"""Run BatchNorm in FP32 under ``torch.autocast``.
 
-Autocast puts ``batch_norm`` on no cast list, so after a Linear/Conv it receives float16/bfloat16
-and returns float16/bfloat16. Importing this package wraps ``torch.nn.functional.batch_norm`` so
-that, under autocast, a half-precision input is normalized in FP32 with FP32 running statistics,
-and the output dtype follows a policy:
+Autocast leaves ``batch_norm`` in whatever dtype it is given, so after a Linear/Conv it receives
+float16/bfloat16 and returns float16/bfloat16. Importing this package wraps
+``torch.nn.functional.batch_norm`` so that, under autocast, a half-precision input is normalized
+in FP32 with FP32 running statistics, and the output dtype follows a policy:
 
 ======== ==================================================================
 policy   output dtype under autocast
@@ -58,9 +58,10 @@ def enable(policy: Optional[str] = None) -> None:
 
     Example::
 
+        >>> import amp_bn_fix
         >>> amp_bn_fix.enable("input")
-        >>> amp_bn_fix.is_enabled()
-        True
+        >>> amp_bn_fix.is_enabled(), amp_bn_fix.get_policy()
+        (True, 'input')
     """
     if policy is not None:
         set_policy(policy)
@@ -74,20 +75,57 @@ def disable() -> None:
 
     Example::
 
+        >>> import torch, amp_bn_fix
         >>> amp_bn_fix.disable()
         >>> amp_bn_fix.is_enabled()
         False
+        >>> bn = torch.nn.BatchNorm1d(4)
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     bn(torch.randn(8, 4, dtype=torch.bfloat16)).dtype   # native: no FP32 output
+        torch.bfloat16
+        >>> amp_bn_fix.enable()
     """
     _patch.uninstall()
 
 
 def is_enabled() -> bool:
-    r"""Whether the patch is installed in this process."""
+    r"""Whether the shim is on in this process.
+
+    Returns:
+        ``True`` while ``torch.nn.functional.batch_norm`` is the shim's wrapper (after
+        ``import amp_bn_fix`` or :func:`enable`), ``False`` after :func:`disable` or when
+        ``AMP_BN_FIX_POLICY=off`` kept the import from enabling it. ``print(F.batch_norm)`` cannot
+        tell (wrapt forwards ``str`` to the original function); ``repr`` names the wrapper.
+
+    Example::
+
+        >>> import torch, amp_bn_fix
+        >>> amp_bn_fix.enable()
+        >>> amp_bn_fix.is_enabled()
+        True
+        >>> repr(torch.nn.functional.batch_norm)
+        '<ShimWrapper at 0x... for function at 0x...>'
+    """
     return _patch.is_installed()
 
 
 def get_policy() -> str:
-    r"""The policy in force for this thread: its innermost :func:`policy` scope, else the global one."""
+    r"""The name of the policy in force here: ``"fp32"``, ``"input"``, ``"autocast"`` or ``"off"``.
+
+    Returns:
+        The policy of the innermost :func:`policy` scope open in this thread (or asyncio task),
+        else the process-wide one (:func:`set_policy`, ``AMP_BN_FIX_POLICY``, default ``"fp32"``).
+
+    Example::
+
+        >>> import amp_bn_fix
+        >>> amp_bn_fix.set_policy("fp32")
+        >>> with amp_bn_fix.policy("input"):
+        ...     amp_bn_fix.get_policy()
+        'input'
+        >>> amp_bn_fix.get_policy()
+        'fp32'
+    """
     return _patch.active_policy()
 
 
@@ -101,36 +139,61 @@ def set_policy(name: str) -> None:
 
     Example::
 
+        >>> import amp_bn_fix
         >>> amp_bn_fix.set_policy("autocast")
         >>> amp_bn_fix.get_policy()
         'autocast'
+        >>> amp_bn_fix.set_policy("fast")
+        Traceback (most recent call last):
+          ...
+        ValueError: policy='fast' is not valid; allowed values: fp32, input, autocast, off
     """
     _patch.configure(_patch.current_config().replace(policy=_config.check_policy(name)))
 
 
 @contextlib.contextmanager
 def policy(name: str) -> Iterator[None]:
-    r"""Override the policy for the current thread within a ``with`` block (nestable).
+    r"""Override the policy within a ``with`` block (nestable), for this thread and asyncio task.
 
-    Other threads keep theirs, and do not see this one: ``nn.DataParallel`` replicas, and the
-    autograd threads where activation checkpointing recomputes on CUDA, use the process-wide
-    policy. The patch must be enabled for the policy to take effect.
+    Scopes are per thread and per asyncio task (they live in a :mod:`contextvars` variable): an
+    asyncio task created inside the block starts with its policy, and a scope opened in one task
+    is not seen by other tasks. Other threads keep theirs and do not see this one:
+    ``nn.DataParallel`` replicas, and the autograd threads where activation checkpointing
+    recomputes on CUDA, use the process-wide policy. The shim must be enabled for the policy to
+    take effect.
 
     Example::
 
+        >>> import torch, amp_bn_fix
+        >>> bn = torch.nn.BatchNorm1d(4)
+        >>> x = torch.randn(8, 4, dtype=torch.bfloat16)
         >>> with torch.autocast("cpu", dtype=torch.bfloat16), amp_bn_fix.policy("input"):
         ...     bn(x).dtype
         torch.bfloat16
     """
-    previous = _patch.set_thread_policy(_config.check_policy(name))
-    try:
+    with _patch.scoped_policy(_config.check_policy(name)):
         yield
-    finally:
-        _patch.set_thread_policy(previous)
 
 
 def get_config() -> Config:
-    r"""The process-wide settings and where each came from (``default``, ``env`` or ``API``)."""
+    r"""The process-wide settings and where each came from.
+
+    Returns:
+        A frozen :class:`Config` with ``policy``, ``devices`` (``None`` for every device type, else
+        a frozenset of names), ``keep_fp32`` and ``guard``, and ``sources`` mapping each of them to
+        ``"default"``, ``"env"`` or ``"API"``. :meth:`Config.describe` spells a setting as its
+        environment variable would. ``policy()`` scopes are not part of it (see :func:`get_policy`).
+
+    Example::
+
+        >>> import amp_bn_fix
+        >>> amp_bn_fix.set_policy("input")
+        >>> config = amp_bn_fix.get_config()
+        >>> config.policy, config.sources["policy"]
+        ('input', 'API')
+        >>> sorted(config.sources)
+        ['devices', 'guard', 'keep_fp32', 'policy']
+    """
     return _patch.current_config()
 
 

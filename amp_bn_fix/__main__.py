@@ -1,7 +1,7 @@
-"""``python -m amp_bn_fix``: the command-line interface."""
+"""``python -m amp_bn_fix``: the ``amp-bn-fix`` command line."""
 
 import sys
 
-from ._cli import main
+from _amp_bn_fix_boot.launcher import main
 
 sys.exit(main())

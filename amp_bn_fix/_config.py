@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from types import MappingProxyType
-from typing import Dict, FrozenSet, Mapping, Optional
+from typing import Dict, FrozenSet, Mapping, Optional, Sequence
 
 POLICIES = ("fp32", "input", "autocast", "off")
 KEEP_MODES = ("stats", "all", "none")
@@ -112,6 +113,20 @@ class Config:
         return dataclasses.replace(self, sources=sources, **changes)  # type: ignore[arg-type]
 
     def describe(self, name: str) -> str:
+        """The setting ``name`` as its environment variable would spell it.
+
+        ``name`` is one of ``"policy"``, ``"devices"``, ``"keep_fp32"`` and ``"guard"``; the value
+        comes back as a string: ``"all"`` or a sorted comma list for the devices, ``"1"``/``"0"``
+        for the guard, the word itself for the others.
+
+        Example::
+
+            >>> from amp_bn_fix import Config
+            >>> Config(devices=frozenset({"cuda", "cpu"})).describe("devices")
+            'cpu,cuda'
+            >>> Config(guard=False).describe("guard")
+            '0'
+        """
         value = getattr(self, name)
         if name == "devices":
             value = "all" if value is None else ",".join(sorted(value))
@@ -120,8 +135,26 @@ class Config:
         return str(value)
 
 
-def from_env(environ: Mapping[str, str] = os.environ) -> Config:
-    """Read the ``AMP_BN_FIX_*`` variables; a bad value raises ``ValueError`` naming the variable."""
+def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Read the ``AMP_BN_FIX_*`` variables of ``environ`` (default: this process's environment).
+
+    A bad value raises ``ValueError`` naming the variable, the value and the allowed values. One
+    case is different: ``python -m amp_bn_fix`` reads its own environment while the package is
+    imported, before its command line runs; there a bad value is the command's usage error, one
+    line on stderr and exit status 2, as with the ``amp-bn-fix`` console script.
+    """
+    if environ is None:
+        try:
+            return _read(os.environ)
+        except ValueError as exc:
+            if running_the_command():
+                print(f"{COMMAND}: error: {exc} (from the environment)", file=sys.stderr)
+                raise SystemExit(2) from None
+            raise
+    return _read(environ)
+
+
+def _read(environ: Mapping[str, str]) -> Config:
     changes: Dict[str, object] = {}
     if environ.get(ENV_POLICY, "").strip():
         changes["policy"] = check_policy(environ[ENV_POLICY], ENV_POLICY)
@@ -137,3 +170,37 @@ def from_env(environ: Mapping[str, str] = os.environ) -> Config:
 def hook_requested(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``AMP_BN_FIX`` asks the start-up hook to enable the shim."""
     return parse_flag(environ.get(ENV_ENABLE, "0"), ENV_ENABLE)
+
+
+COMMAND = "amp-bn-fix"
+_MODULE_COMMANDS = ("amp_bn_fix", "amp_bn_fix.__main__")
+# Interpreter options that take a value (``-X dev``, ``-W error``): the value is not the script.
+_OPTIONS_WITH_VALUE = "WX"
+
+
+def running_the_command(argv: Optional[Sequence[str]] = None) -> bool:
+    """Whether this interpreter runs the ``amp-bn-fix`` command: its console script or ``python -m amp_bn_fix``.
+
+    ``argv`` is an interpreter command line as :data:`sys.orig_argv` holds it (the default), read
+    as far as the script, ``-m MODULE`` or ``-c CODE`` it runs.
+    """
+    arguments = iter(list(sys.orig_argv if argv is None else argv)[1:])
+    for argument in arguments:
+        if argument == "--check-hash-based-pycs":
+            next(arguments, None)
+            continue
+        if argument.startswith("--") and argument != "--":
+            continue
+        if argument == "--" or argument == "-" or not argument.startswith("-"):
+            script = next(arguments, "") if argument == "--" else argument
+            name = os.path.splitext(os.path.basename(script))[0]
+            return name in (COMMAND, COMMAND + "-script")
+        for index, letter in enumerate(argument[1:], start=1):
+            if letter in "cm" or letter in _OPTIONS_WITH_VALUE:
+                value = argument[index + 1 :] or next(arguments, "")
+                if letter == "c":
+                    return False
+                if letter == "m":
+                    return value in _MODULE_COMMANDS
+                break  # -W/-X: the rest of this argument (or the next one) was the value
+    return False

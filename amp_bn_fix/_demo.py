@@ -1,4 +1,4 @@
-"""The seed report, reproduced: per-layer output dtypes under autocast, without and with the shim."""
+"""The bug report (pytorch#88929), reproduced: per-layer output dtypes under autocast, without and with the shim."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class DemoRow(NamedTuple):
     layer: str
     without: torch.dtype
     with_shim: torch.dtype
+    expected: torch.dtype  # what the active policy should give
 
 
 def cases() -> Iterator[Tuple[str, torch.dtype]]:
@@ -36,13 +37,26 @@ def _layer_dtypes(net: nn.Sequential, device: str, dtype: torch.dtype) -> List[t
     return dtypes
 
 
-def seed_rows(device: str, dtype: torch.dtype) -> List[DemoRow]:
-    """The seed's Linear -> BatchNorm1d -> Linear, each layer's output dtype both ways.
+def expected_dtype(layer: nn.Module, dtype: torch.dtype, policy: str) -> torch.dtype:
+    """The output dtype of ``layer`` in the report's network under ``dtype`` autocast with ``policy``.
 
-    Leaves the patch as it found it.
+    Linear runs in autocast's dtype. BatchNorm receives that dtype and returns float32 with the
+    ``fp32`` policy (what the report asks for); with ``input``, ``autocast`` and ``off`` it returns
+    the dtype it receives, which here is autocast's too.
+    """
+    if isinstance(layer, nn.modules.batchnorm._BatchNorm) and policy == "fp32":
+        return torch.float32
+    return dtype
+
+
+def report_rows(device: str, dtype: torch.dtype) -> List[DemoRow]:
+    """The report's Linear -> BatchNorm1d -> Linear, each layer's output dtype both ways.
+
+    The shim runs with the policy in force in this thread. Leaves the patch as it found it.
     """
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 5)).to(device)
+    policy = _patch.active_policy()
     was_installed = _patch.is_installed()
     try:
         _patch.uninstall()
@@ -52,5 +66,7 @@ def seed_rows(device: str, dtype: torch.dtype) -> List[DemoRow]:
     finally:
         if not was_installed:
             _patch.uninstall()
-    names = [type(layer).__name__ for layer in net]
-    return [DemoRow(device, dtype, *row) for row in zip(names, without, with_shim)]
+    return [
+        DemoRow(device, dtype, type(layer).__name__, a, b, expected_dtype(layer, dtype, policy))
+        for layer, a, b in zip(net, without, with_shim)
+    ]

@@ -15,7 +15,8 @@ Per run it reports the relative error of running_mean/running_var against the FP
 every step, and against an fp64 running average of the batch statistics the run's own BatchNorms
 received (which separates the arithmetic of the stats from differences in the training itself);
 the final training loss, accuracy on held-out data (eval mode, so running stats) and the median
-time per step. It prints a table and, when matplotlib is installed, plots the errors.
+time per step. It prints a table and, when matplotlib is installed (the ``examples`` extra), plots
+the errors.
 
 A second scenario feeds one extra batch containing an ``inf`` pixel in the middle of autocast
 training with ``torch.amp.GradScaler`` (which skips that optimizer step): without the guard the
@@ -23,10 +24,12 @@ running statistics become NaN for good; with ``AMP_BN_FIX_GUARD=1`` (the default
 they were, identical to a run that never saw the batch. The guard-off run is a child process
 started with ``AMP_BN_FIX_GUARD=0``.
 
-Run with no arguments (about a minute on a 2-core CPU)::
+The default run takes 2 to 4 minutes on a 2-core CPU, most of it in the float16 model, whose speed
+depends on the CPU's float16 support; every figure it prints depends on the CPU too. The time grows
+with ``--steps``::
 
-    python examples/numerics_study.py                 # writes examples/numerics_study.png
-    python examples/numerics_study.py --steps 40 --plot study.png --json study.json
+    python examples/numerics_study.py                 # writes numerics_study.png here
+    python examples/numerics_study.py --steps 40 --out study.png --json study.json
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from torch import nn
 
 import amp_bn_fix
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FP16_MAX = torch.finfo(torch.float16).max
 # A float16 model needs its loss scaled or the gradients reaching the first conv underflow; a
 # static scale, because GradScaler refuses to unscale float16 gradients.
@@ -350,12 +352,48 @@ def print_table(header: List[str], rows: List[List[str]]) -> None:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
 
 
-def plot(path: str, panels: List[Tuple[str, str, Dict[str, List[float]]]], colours: Dict[str, str],
-         marks: Dict[int, int], title: str) -> bool:
+class Style(NamedTuple):
+    """How a run is drawn, the same in every panel."""
+
+    colour: str
+    line: str = "-"
+    width: float = 1.8
+    marker: Optional[str] = None  # drawn every few steps, so that a line on top of another shows
+
+
+STYLES = {
+    "fp32 reference": Style("C0", width=2.2),
+    # Native autocast and the input/autocast policies give the same statistics: native is drawn
+    # wide underneath, the two policies over it dashed and dotted, with markers.
+    "autocast, native": Style("C1", width=4.0),
+    "autocast + shim (fp32)": Style("C2", width=2.0),
+    "autocast + shim (input)": Style("C3", "--", 1.6, "s"),
+    "autocast + shim (autocast)": Style("C4", ":", 2.2, "^"),
+    ".half(), native": Style("C5", "--", 1.8),
+    ".half() + shim": Style("C6", width=1.6),
+}
+
+
+def coinciding(series: Dict[str, List[float]]) -> Dict[str, str]:
+    """{run: the earlier run it equals at every step} for runs whose values are identical."""
+    same: Dict[str, str] = {}
+    names = list(series)
+    for i, name in enumerate(names):
+        for earlier in names[:i]:
+            if earlier not in same and series[name] == series[earlier]:
+                same[name] = earlier
+                break
+    return same
+
+
+def plot(path: str, panels: List[Tuple[str, str, Dict[str, List[float]]]], styles: Dict[str, Style],
+         marks: Dict[int, int], title: str, headline: str, shared_legend: int = 3) -> bool:
     """One log-scale panel per (title, y label, {run: error per step}); False without matplotlib.
 
-    ``colours`` keeps a run's colour the same in every panel; ``marks`` maps a panel index to a
-    step to mark with a vertical line (the inf batch).
+    Non-finite values are drawn in a labelled band above the finite ones, from the step where
+    they start. The first ``shared_legend`` panels show the same runs and share one legend above
+    them; the others have their own, below. ``marks`` maps a panel index to a step to mark with a
+    vertical line (the inf batch).
     """
     try:
         import matplotlib
@@ -365,37 +403,119 @@ def plot(path: str, panels: List[Tuple[str, str, Dict[str, List[float]]]], colou
     except ImportError:
         return False
 
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9.5), constrained_layout=True)
-    for index, (ax, (subtitle, ylabel, series)) in enumerate(zip(axes.flat, panels)):
-        finite_max = max((e for errs in series.values() for e in errs if math.isfinite(e)), default=1.0)
-        top = 10 ** math.ceil(math.log10(finite_max) + 0.5)
-        marked: Dict[int, int] = {}  # step -> markers already there, so that none hides another
+    fig, axes = plt.subplot_mosaic([["head", "head"], [0, 1], [2, 3]], figsize=(14, 11.5),
+                                   height_ratios=[0.5, 3, 3], layout="constrained")
+    shared: Dict[str, object] = {}
+    for index, (subtitle, ylabel, series) in enumerate(panels):
+        ax = axes[index]
+        finite = [e for errs in series.values() for e in errs if math.isfinite(e) and e > 0]
+        low = 10 ** math.floor(math.log10(min(finite, default=1e-8)))
+        high = 10 ** math.ceil(math.log10(max(finite, default=1.0)) + 0.3)
+        # Non-finite values go in a band one decade above the finite ones: lines in its lower
+        # part, one height per run so that none hides another, its label in the upper part.
+        band_low, band_high = high * 2, high * 20
+        broken = [name for name, errs in series.items() if first_nonfinite(errs) is not None]
+        same = coinciding(series)
+        top: Dict[int, Tuple[float, str]] = {}  # step where runs turn non-finite -> highest marker there
         for order, (name, errs) in enumerate(series.items()):
+            style = styles[name]
+            steps = range(1, len(errs) + 1)
             shown = [e if math.isfinite(e) and e > 0 else math.nan for e in errs]
             bad = first_nonfinite(errs)
-            label = name if bad is None else f"{name}: non-finite from step {bad} (X)"
-            # Several runs coincide: earlier lines are drawn wider so that later ones stay visible.
-            style = "--" if "native" in name else "-"
-            width = max(0.9, 3.2 - 0.4 * order)
-            ax.plot(range(1, len(errs) + 1), shown, style, lw=width, label=label, color=colours[name])
+            label = name + (f" (same values as {same[name]})" if name in same else "")
+            marker = dict(marker=style.marker, markevery=(7 * order % 30, 30), ms=6) if style.marker else {}
+            (line,) = ax.plot(steps, shown, style.line, lw=style.width, color=style.colour, label=label, **marker)
             if bad is not None:
-                # Non-finite values have no place on a log axis: mark where they start, at the top.
-                height = top / 2 / 2.5 ** marked.get(bad, 0)
-                marked[bad] = marked.get(bad, 0) + 1
-                ax.plot([bad], [height], marker="X", ms=12, color=colours[name], ls="none")
+                height = band_low * (band_high / band_low) ** (0.6 * (broken.index(name) + 1) / (len(broken) + 1))
+                ax.plot(steps, [height if not math.isfinite(e) else math.nan for e in errs], style.line,
+                        lw=max(style.width, 2.5), color=style.colour)
+                ax.plot([bad], [height], marker="X", ms=11, color=style.colour, ls="none")
+                top.setdefault(bad, (height, style.colour))
+                top[bad] = max(top[bad], (height, style.colour))
+            if index < shared_legend:
+                shared.setdefault(name, line)
+        for step, (height, colour) in top.items():
+            ax.annotate(f"step {step}", (step, height), xytext=(0, 7), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=8, color="0.25")
+        if broken:
+            ax.axhspan(band_low, band_high, color="0.92", zorder=0)
+            ax.text(0.01, band_low * (band_high / band_low) ** 0.8, "non-finite (inf/NaN)",
+                    transform=ax.get_yaxis_transform(), va="center", ha="left", fontsize=8.5, color="0.35")
         if index in marks:
             ax.axvline(marks[index], color="grey", lw=0.8, ls=":")
         ax.set_yscale("log")
-        ax.set_ylim(top=top)
+        ax.set_ylim(low / 2, band_high if broken else high)
         ax.set_xlabel("training step")
         ax.set_ylabel(ylabel)
         ax.set_title(subtitle, fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=7.5, loc="best")
-    fig.suptitle(title, fontsize=11)
+        if index >= shared_legend:
+            ax.legend(fontsize=8.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1, frameon=False)
+    head = axes["head"]
+    head.axis("off")
+    head.set_title(f"{title}\n{headline}", fontsize=10.5)
+    head.legend(list(shared.values()), [line.get_label() for line in shared.values()], loc="center", ncol=3,
+                fontsize=8.5, frameon=False)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def headline(results: List[Result], guard_labels: List[str], guarded: List[Result]) -> str:
+    """What the study shows, in three lines, from its own results."""
+    run = {r.run: r for r in results}
+    native, shim = run["autocast, native"], run["autocast + shim (fp32)"]
+    half, half_shim = run[".half(), native"], run[".half() + shim"]
+
+    def stats(result: Result) -> str:
+        step = first_nonfinite(result.tracking)
+        return f"non-finite from step {step}" if step is not None else f"within {result.tracking[-1]:.1e} of exact"
+
+    def accuracy(result: Result) -> str:
+        return f"eval acc {100 * result.eval_accuracy:.1f}%"
+
+    def after(result: Result, base: Result) -> str:
+        if not all(math.isfinite(v) for v in result.means[-1] + result.variances[-1]):
+            return "NaN"
+        return "as without that batch" if max_difference(result, base) == 0 else "finite"
+
+    states = [f"{after(guarded[0], native)} natively"]
+    states += [f"{after(r, shim)} with the guard {l.rsplit(' ', 1)[-1]}" for l, r in zip(guard_labels[1:], guarded[1:])]
+    accuracies = ", ".join(f"{100 * r.eval_accuracy:.1f}%" for r in guarded)
+    return (
+        f"BatchNorm output under autocast: {native.bn_out_dtype} natively, {shim.bn_out_dtype} with the shim (fp32 policy).\n"
+        f".half() model: running stats {half.stats_dtype}, {stats(half)} natively ({accuracy(half)}); "
+        f"{half_shim.stats_dtype}, {stats(half_shim)} with the shim ({accuracy(half_shim)}).\n"
+        f"One inf batch (GradScaler skips its step): running stats {', '.join(states)} (eval acc {accuracies})."
+    )
+
+
+def draw(path: str, args: argparse.Namespace, results: List[Result], guard_labels: List[str],
+         guarded: List[Result]) -> bool:
+    """The study's figure: running-stat errors per step, four panels; False without matplotlib."""
+    reference = results[0]
+    errs = {r.run: run_errors(r, reference) for r in results[1:]}
+    panels = [
+        ("running_mean vs the FP32 run", "relative error", {k: v[0] for k, v in errs.items()}),
+        ("running_var vs the FP32 run", "relative error", {k: v[1] for k, v in errs.items()}),
+        ("running stats vs fp64 running average of each run's own batch statistics",
+         "relative error (worse of mean, var)", {r.run: r.tracking for r in results}),
+        (f"one batch with an inf pixel before step {args.inf_batch_at + 1}, GradScaler on",
+         "relative error vs fp64 average of the other batches", {l: r.tracking for l, r in zip(guard_labels, guarded)}),
+    ]
+    title = (f"BatchNorm running statistics: CPU autocast {args.autocast_dtype}, .half() = float16, "
+             f"12-bit inputs (running_var ~ {max(reference.variances[-1]):.0e}), {args.steps} steps")
+    styles = dict(STYLES)
+    styles[guard_labels[0]] = STYLES["autocast, native"]
+    for label in guard_labels[1:]:
+        styles[label] = STYLES["autocast + shim (fp32)"] if label.endswith("guard on") else Style("C7", "--", 2.0)
+    return plot(path, panels, styles, {3: args.inf_batch_at + 1}, title, headline(results, guard_labels, guarded))
+
+
+def run_errors(result: Result, reference: Result) -> Tuple[List[float], List[float]]:
+    """Per step, the relative error of the running means and of the running variances against ``reference``'s."""
+    return ([relative_error(m, r) for m, r in zip(result.means, reference.means)],
+            [relative_error(v, r) for v, r in zip(result.variances, reference.variances)])
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -414,7 +534,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--eval-size", type=int, default=1024)
     parser.add_argument("--autocast-dtype", choices=("bfloat16", "float16"), default="bfloat16",
                         help="CPU autocast dtype (default bfloat16; float16 is much slower on most CPUs)")
-    parser.add_argument("--plot", default=os.path.join(HERE, "numerics_study.png"), help="PNG to write ('' for none)")
+    parser.add_argument("--out", default="numerics_study.png",
+                        help="the plot to write (default: numerics_study.png in the current directory; '' for none)")
     parser.add_argument("--json", default="", help="also write the results as JSON to this file")
     parser.add_argument("--guard-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -451,11 +572,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     guard_labels = ["autocast, native", f"autocast + shim, guard {'on' if guard else 'off'}",
                     f"autocast + shim, guard {'off' if guard else 'on'}"]
 
-    def errors(result: Result) -> Tuple[List[float], List[float]]:
-        return ([relative_error(m, r) for m, r in zip(result.means, reference.means)],
-                [relative_error(v, r) for v, r in zip(result.variances, reference.variances)])
-
-    errs = {r.run: errors(r) for r in results[1:]}
+    errs = {r.run: run_errors(r, reference) for r in results[1:]}
     print(f"\nLargest running_var in the FP32 reference: {max(reference.variances[-1]):.3g} "
           f"(float16 max: {FP16_MAX:.0f})")
     print("err vs FP32: relative error of the running stats against the FP32 run's at the same step;")
@@ -477,24 +594,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                      f"{max_difference(result, base):.3g}", f"{100 * result.eval_accuracy:.1f}%"])
     print_table(["run", "stats finite", "err vs exact", "max |diff| vs run without that batch", "eval acc"], rows)
 
-    if args.plot:
-        panels = [
-            ("running_mean vs the FP32 run", "relative error", {k: v[0] for k, v in errs.items()}),
-            ("running_var vs the FP32 run", "relative error", {k: v[1] for k, v in errs.items()}),
-            ("running stats vs fp64 running average of each run's own batch statistics",
-             "relative error (worse of mean, var)", {r.run: r.tracking for r in results}),
-            (f"one batch with an inf pixel before step {args.inf_batch_at + 1}, GradScaler on",
-             "relative error vs fp64 average of the other batches", {l: r.tracking for l, r in zip(guard_labels, guarded)}),
-        ]
-        title = (f"BatchNorm running statistics: CPU autocast {args.autocast_dtype}, .half() = float16, "
-                 f"12-bit inputs (running_var ~ {max(reference.variances[-1]):.0e}), {args.steps} steps")
-        colours = {run.name: f"C{i}" for i, run in enumerate(RUNS)}
-        colours.update({label: colours["autocast + shim (fp32)"] if label.endswith("guard on") else "C7"
-                        for label in guard_labels[1:]})
-        if plot(args.plot, panels, colours, {3: args.inf_batch_at + 1}, title):
-            print(f"\nplot written to {args.plot}")
+    if args.out:
+        if draw(args.out, args, results, guard_labels, guarded):
+            print(f"\nplot written to {args.out}")
         else:
-            print("\n(no plot: pip install matplotlib)")
+            print("\n(no plot: pip install matplotlib, or the examples extra: pip install -e '.[examples]')")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": [r._asdict() for r in results],

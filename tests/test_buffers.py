@@ -297,6 +297,7 @@ def _stats_after_training(model: nn.Module, batches, dtype) -> torch.Tensor:
     return torch.stack([model.running_mean.double(), model.running_var.double()])
 
 
+@pytest.mark.slow
 def test_half_model_running_stats_track_fp64_far_better_than_torch():
     """Features with a large offset: updates smaller than a float16 step are lost in half stats."""
     generator = torch.Generator().manual_seed(0)

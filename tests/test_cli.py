@@ -1,44 +1,161 @@
-"""The command line: ``amp-bn-fix demo`` and ``python -m amp_bn_fix``."""
+"""The command line: ``amp-bn-fix demo``, ``python -m amp_bn_fix``, help and errors."""
 
+import os
+import shutil
 import subprocess
 import sys
 
+import pytest
 import torch.nn.functional as F
 
 import amp_bn_fix
-from amp_bn_fix import _cli
+from _amp_bn_fix_boot import launcher
+from amp_bn_fix import _config
+
+CONSOLE_SCRIPT = shutil.which("amp-bn-fix", path=os.path.dirname(sys.executable))
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
 
 
 def demo_rows(text):
     rows = [line.split() for line in text.splitlines()]
-    return [r for r in rows if len(r) == 5 and r[0] in ("cpu", "cuda")]
+    return [r for r in rows if len(r) == 6 and r[0] in ("cpu", "cuda")]
 
 
-def test_demo_prints_the_seed_without_and_with_the_shim(capsys):
-    assert _cli.main(["demo"]) == 0
-    rows = demo_rows(capsys.readouterr().out)
-    cpu = [r for r in rows if r[0] == "cpu"]
+def command(*args, env=None, module=False, flags=()):
+    """``amp-bn-fix ARGS`` (or ``python -m amp_bn_fix ARGS``) in a fresh process with ``env`` added."""
+    assert CONSOLE_SCRIPT, "the amp-bn-fix console script is not installed next to this interpreter"
+    start = [sys.executable, *flags, "-m", "amp_bn_fix"] if module else [sys.executable, *flags, CONSOLE_SCRIPT]
+    return subprocess.run(
+        [*start, *args], env={**CLEAN_ENV, **(env or {})}, capture_output=True, text=True, timeout=120
+    )
+
+
+def imported_torch(importtime_stderr):
+    """Whether ``python -X importtime`` output shows an import of torch."""
+    return any(line.rsplit("|", 1)[-1].strip() == "torch" for line in importtime_stderr.splitlines())
+
+
+def test_demo_prints_the_bug_report_without_and_with_the_shim_and_what_is_expected(capsys):
+    assert launcher.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    cpu = [r for r in demo_rows(out) if r[0] == "cpu"]
     assert cpu == [
-        ["cpu", "float16", "Linear", "float16", "float16"],
-        ["cpu", "float16", "BatchNorm1d", "float16", "float32"],
-        ["cpu", "float16", "Linear", "float16", "float16"],
-        ["cpu", "bfloat16", "Linear", "bfloat16", "bfloat16"],
-        ["cpu", "bfloat16", "BatchNorm1d", "bfloat16", "float32"],
-        ["cpu", "bfloat16", "Linear", "bfloat16", "bfloat16"],
+        ["cpu", "float16", "Linear", "float16", "float16", "float16"],
+        ["cpu", "float16", "BatchNorm1d", "float16", "float32", "float32"],
+        ["cpu", "float16", "Linear", "float16", "float16", "float16"],
+        ["cpu", "bfloat16", "Linear", "bfloat16", "bfloat16", "bfloat16"],
+        ["cpu", "bfloat16", "BatchNorm1d", "bfloat16", "float32", "float32"],
+        ["cpu", "bfloat16", "Linear", "bfloat16", "bfloat16", "bfloat16"],
     ]
+    assert "pytorch#88929" in out and "seed" not in out
+    assert out.rstrip().splitlines()[-1].startswith("with the shim every layer has the expected dtype: BatchNorm1d returns float32")
+
+
+@pytest.mark.parametrize("policy, bn_dtype", [("input", "bfloat16"), ("autocast", "bfloat16"), ("off", "bfloat16")])
+def test_demo_with_another_policy_says_why_both_columns_match(capsys, policy, bn_dtype):
+    with amp_bn_fix.policy(policy):
+        assert launcher.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    row = next(r for r in demo_rows(out) if r[:3] == ["cpu", "bfloat16", "BatchNorm1d"])
+    assert row[3:] == [bn_dtype, bn_dtype, bn_dtype]
+    verdict = out.rstrip().splitlines()[-1]
+    assert f"both columns match because the policy is {policy}" in verdict and "fp32, returns float32" in verdict
+
+
+def test_demo_fails_when_the_shim_does_not_give_the_expected_dtype(capsys, monkeypatch):
+    from amp_bn_fix import _policy
+
+    monkeypatch.setattr(_policy, "output_dtype", lambda policy, call: None)  # every call runs natively
+    assert launcher.main(["demo"]) == 1
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("MISMATCH")
 
 
 def test_demo_leaves_the_patch_as_it_found_it():
     original = F.batch_norm.__wrapped__
     amp_bn_fix.disable()
-    _cli.main(["demo"])
+    launcher.main(["demo"])
     assert F.batch_norm is original
     amp_bn_fix.enable()
-    _cli.main(["demo"])
+    launcher.main(["demo"])
     assert F.batch_norm.__wrapped__ is original
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_the_demo():
-    result = subprocess.run([sys.executable, "-m", "amp_bn_fix", "demo"], capture_output=True, text=True, timeout=120)
+    result = command("demo", module=True)
     assert result.returncode == 0, result.stderr
-    assert ["cpu", "bfloat16", "BatchNorm1d", "bfloat16", "float32"] in demo_rows(result.stdout)
+    assert ["cpu", "bfloat16", "BatchNorm1d", "bfloat16", "float32", "float32"] in demo_rows(result.stdout)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["demo", "--help"], [], ["bogus"], ["demo", "--bogus"],
+                                  ["run", "--policy", "fp33", "--", "true"], ["run", "--"]])
+def test_help_and_argument_errors_import_neither_torch_nor_amp_bn_fix(args):
+    code = (
+        "import sys\n"
+        "from _amp_bn_fix_boot import launcher\n"
+        "try:\n"
+        f"    launcher.main({args!r})\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, 'torch' in sys.modules, 'amp_bn_fix' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=CLEAN_ENV, capture_output=True, text=True, timeout=60)
+    expected_code = "0" if "--help" in args else "2"
+    assert result.stdout.split()[-3:] == [expected_code, "False", "False"], result.stdout + result.stderr
+
+
+def test_the_console_script_help_does_not_import_torch():
+    result = command("--help", flags=("-X", "importtime"))
+    assert result.returncode == 0
+    assert "demo" in result.stdout and "check" in result.stdout and "run" in result.stdout
+    assert not imported_torch(result.stderr)
+
+
+# python -m imports torch before it can tell that the setting is bad: seconds each.
+@pytest.mark.parametrize("module", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["console script", "python -m"])
+@pytest.mark.parametrize("enable", [None, "1"], ids=["hook off", "hook on"])
+@pytest.mark.parametrize("subcommand", ["demo", "check"])
+def test_a_bad_setting_is_one_line_and_exit_2(module, enable, subcommand):
+    env = {"AMP_BN_FIX_POLICY": "fp33", **({"AMP_BN_FIX": enable} if enable else {})}
+    result = command(subcommand, env=env, module=module)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line == (
+        "amp-bn-fix: error: AMP_BN_FIX_POLICY='fp33' is not valid; allowed values: fp32, input, autocast, off"
+        " (from the environment)"
+    )
+    assert result.stdout == ""
+
+
+def test_a_bad_setting_costs_the_console_script_no_torch_import():
+    result = command("demo", env={"AMP_BN_FIX": "1", "AMP_BN_FIX_POLICY": "fp33"}, flags=("-X", "importtime"))
+    assert result.returncode == 2
+    assert not imported_torch(result.stderr)
+
+
+@pytest.mark.slow
+def test_run_with_a_bad_switch_says_once_that_the_command_gets_the_shim():
+    probe = "import torch, amp_bn_fix; print(amp_bn_fix.is_enabled())"
+    result = command("run", "--", sys.executable, "-c", probe, env={"AMP_BN_FIX": "maybe"})
+    assert (result.returncode, result.stdout.strip()) == (0, "True"), result.stderr
+    (line,) = result.stderr.splitlines()
+    assert "AMP_BN_FIX='maybe' is not valid" in line and "the command runs with AMP_BN_FIX=1" in line
+    assert "running without the shim" not in line
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["/venv/bin/python3", "/venv/bin/amp-bn-fix", "demo"], True),
+        (["python", "-X", "importtime", "/venv/bin/amp-bn-fix", "--help"], True),
+        (["python", "-m", "amp_bn_fix", "check"], True),
+        (["python", "-Im", "amp_bn_fix"], True),
+        (["python", "-W", "error", "-mamp_bn_fix.__main__"], True),
+        (["python", "-m", "pytest", "amp-bn-fix"], False),
+        (["python", "-c", "import amp_bn_fix", "-m", "amp_bn_fix"], False),
+        (["python", "train.py", "amp-bn-fix"], False),
+        (["python", "-X", "amp-bn-fix", "train.py"], False),
+        (["python"], False),
+    ],
+)
+def test_running_the_command_recognises_the_console_script_and_python_dash_m(argv, expected):
+    assert _config.running_the_command(argv) is expected

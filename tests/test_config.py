@@ -82,12 +82,14 @@ def test_config_module_does_not_import_torch():
     assert result.stdout.strip() == "False", result.stderr
 
 
+@pytest.mark.slow
 def test_import_with_a_bad_value_raises_loudly():
     result = run_python("import amp_bn_fix", AMP_BN_FIX_POLICY="fp16")
     assert result.returncode != 0
     assert "ValueError: AMP_BN_FIX_POLICY='fp16' is not valid; allowed values: fp32, input, autocast, off" in result.stderr
 
 
+@pytest.mark.slow
 def test_import_reads_the_environment():
     code = "import amp_bn_fix; print(amp_bn_fix.is_enabled(), amp_bn_fix.get_policy(), amp_bn_fix.get_config().sources['policy'])"
     assert run_python(code, AMP_BN_FIX_POLICY="Autocast").stdout.split() == ["True", "autocast", "env"]

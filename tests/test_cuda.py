@@ -1,4 +1,4 @@
-"""The seed report verbatim on CUDA; skipped without a CUDA device."""
+"""The bug report (pytorch#88929) verbatim on CUDA; skipped without a CUDA device."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import amp_bn_fix
 pytestmark = pytest.mark.cuda
 
 
-def run_seed(autocast):
+def run_report(autocast):
     net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 5)).cuda()
     o = torch.randn(2, 4).cuda()
     dtypes = []
@@ -25,16 +25,16 @@ def run_seed(autocast):
     [lambda: torch.cuda.amp.autocast(), lambda: torch.autocast("cuda")],
     ids=["torch.cuda.amp.autocast", "torch.autocast"],
 )
-def test_seed_on_cuda(autocast):
+def test_bug_report_on_cuda(autocast):
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.cuda.amp.autocast is deprecated, still used
-        net, dtypes = run_seed(autocast)
+        net, dtypes = run_report(autocast)
         assert dtypes == [torch.float16, torch.float32, torch.float16]
         assert net[1].running_mean.dtype is torch.float32 and net[1].running_var.dtype is torch.float32
         amp_bn_fix.disable()
-        assert run_seed(autocast)[1] == [torch.float16] * 3
+        assert run_report(autocast)[1] == [torch.float16] * 3
 
 
 def test_bn_first_layer_on_cuda_stays_fp32():

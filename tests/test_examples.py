@@ -11,12 +11,18 @@ import sys
 from pathlib import Path
 from typing import List
 
+import pytest
+
+# Each example starts fresh interpreters (the numerics study and torchrun several): seconds to minutes.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name: str, *args: str, timeout: float = 120, run=subprocess.run) -> str:
+def run_example(name: str, *args: str, timeout: float = 120, run=subprocess.run, cwd=None) -> str:
     done = run(
         [sys.executable, str(EXAMPLES / name), *args],
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -32,8 +38,8 @@ def table_rows(output: str, first: str) -> List[List[str]]:
     return [[c.strip() for c in line.split("  ") if c.strip()] for line in output.splitlines() if line.startswith(first)]
 
 
-def test_seed_repro_batchnorm_after_linear_is_float32_only_with_the_shim():
-    out = run_example("seed_repro.py")
+def test_bug_report_batchnorm_after_linear_is_float32_only_with_the_shim():
+    out = run_example("bug_report.py")
     rows = [r for r in table_rows(out, "2:") if r[3] == "BatchNorm1d"]
     assert {r[2] for r in rows} >= {"float16", "bfloat16"}
     for _, _, autocast, _, without, with_shim, expected in rows:
@@ -43,9 +49,12 @@ def test_seed_repro_batchnorm_after_linear_is_float32_only_with_the_shim():
 
 
 def test_numerics_study_small(tmp_path):
-    plot, results = tmp_path / "study.png", tmp_path / "study.json"
+    # No --out: the plot goes to the current directory, never over the committed examples/numerics_study.png.
+    committed = (EXAMPLES / "numerics_study.png").read_bytes()
+    plot, results = tmp_path / "numerics_study.png", tmp_path / "study.json"
     out = run_example("numerics_study.py", "--steps", "12", "--train-size", "512", "--eval-size", "256",
-                      "--plot", str(plot), "--json", str(results))
+                      "--json", str(results), cwd=tmp_path)
+    assert (EXAMPLES / "numerics_study.png").read_bytes() == committed
     assert "eval acc" in out and "ms/step" in out
     if importlib.util.find_spec("matplotlib") is not None:
         assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

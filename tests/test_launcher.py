@@ -50,6 +50,7 @@ def report(result):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_run_enables_the_shim_in_the_command_with_the_given_settings():
     got = report(amp_bn_fix("run", "--policy", "input", "--", sys.executable, "-c", PROBE))
     # The installed .pth and the launcher's sitecustomize both start the hook: still one wrapper.
@@ -58,6 +59,7 @@ def test_run_enables_the_shim_in_the_command_with_the_given_settings():
     assert got["sitecustomize"] == os.path.join(launcher.BOOTSTRAP_DIR, "sitecustomize.py")
 
 
+@pytest.mark.slow
 def test_the_bootstrap_sitecustomize_alone_enables_the_shim():
     # -S: no site, so no amp_bn_fix.pth; import the bootstrap sitecustomize as site would.
     paths = [launcher.BOOTSTRAP_DIR, str(ROOT), sysconfig.get_paths()["purelib"]]
@@ -82,6 +84,7 @@ def test_the_bootstrap_sitecustomize_warns_once_where_amp_bn_fix_is_not_installe
     assert "amp_bn_fix: not installed for" in line
 
 
+@pytest.mark.slow
 def test_run_chains_to_the_sitecustomize_it_shadows(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.USER_SITECUSTOMIZE = __file__\n")
     got = report(amp_bn_fix("run", "--", sys.executable, "-c", PROBE, env={"PYTHONPATH": str(tmp_path)}))
@@ -90,13 +93,14 @@ def test_run_chains_to_the_sitecustomize_it_shadows(tmp_path):
     assert got["bn_out"] == "torch.float32"
 
 
+@pytest.mark.slow
 def test_child_processes_inherit_it():
     code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {PROBE!r}], check=True)"
     got = report(amp_bn_fix("run", "--devices", "cpu", "--", sys.executable, "-c", code))
     assert (got["wrappers"], got["bn_out"]) == (1, "torch.float32")
 
 
-@pytest.mark.parametrize("via", ["console script", "python -m amp_bn_fix"])
+@pytest.mark.parametrize("via", ["console script", pytest.param("python -m amp_bn_fix", marks=pytest.mark.slow)])
 def test_the_exit_code_is_the_commands(via):
     command = ["run", "--", sys.executable, "-c", "raise SystemExit(7)"]
     if via == "console script":

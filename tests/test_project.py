@@ -1,21 +1,123 @@
-"""The README quick start and CI run the same commands."""
+"""The project around the code: the README quick start and CI, packaging metadata, licence, changelog."""
 
+import configparser
 import pathlib
 import re
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+import pytest
+
+import amp_bn_fix
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def quick_start_commands():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)]
+def readme_section(title):
+    return (ROOT / "README.md").read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def quick_start_lines():
+    blocks = re.findall(r"```bash\n(.*?)```", readme_section("Quick start"), flags=re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def setup_cfg():
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    return parser
 
 
 def test_ci_runs_the_readme_quick_start_verbatim():
-    commands = quick_start_commands()
+    lines = quick_start_lines()
+    clone = [line for line in lines if line.startswith("git clone")]
+    quick = [line for line in lines if "not slow" in line]
+    commands = [line for line in lines if line not in clone + quick]
     assert len(commands) == 2  # set-up + demo, then the tests
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in commands:
         assert command in ci, f"{command!r} from README.md is not a line of .ci/run"
-    assert "pytest" in commands[1]
+    assert ci.index(commands[0]) < ci.index(commands[1])
+    assert "amp-bn-fix demo" in commands[0]
+    assert "pytest" in commands[1] and " -m " not in commands[1].split("pytest", 1)[1]  # the whole suite
+    assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()  # a failing command fails CI
+
+
+def test_the_quick_start_clones_the_project_url_and_has_a_quick_loop():
+    lines = quick_start_lines()
+    (clone,) = [line for line in lines if line.startswith("git clone")]
+    url = setup_cfg()["metadata"]["url"]
+    assert clone == f"git clone {url} && cd {url.rsplit('/', 1)[-1]}"
+    (quick,) = [line for line in lines if "not slow" in line]
+    assert quick == '.venv/bin/python -m pytest -q -m "not slow"'
+    assert "slow:" in (ROOT / "pyproject.toml").read_text()  # the marker is registered
+
+
+def test_metadata():
+    config = setup_cfg()
+    metadata, options = config["metadata"], config["options"]
+    assert metadata["license"] == "BSD-3-Clause" and metadata["license_files"].split() == ["LICENSE"]
+    assert metadata["author"] == "amp_bn_fix authors"
+    classifiers = metadata["classifiers"].split("\n")
+    for wanted in ("Framework :: PyTorch", "Typing :: Typed", "License :: OSI Approved :: BSD License",
+                   "Programming Language :: Python :: 3.11"):
+        assert wanted in classifiers
+    assert options["python_requires"] == ">=3.10"
+    # Each tested Python version's classifier is within python_requires.
+    versions = [c.rsplit(" :: ", 1)[1] for c in classifiers if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert all(tuple(map(int, v.split("."))) >= (3, 10) for v in versions)
+
+
+def test_the_extras_have_what_the_tests_and_the_examples_import():
+    extras = setup_cfg()["options.extras_require"]
+    names = {extra: {re.split(r"[<>=!~ ]", line.strip())[0] for line in extras[extra].splitlines() if line.strip()}
+             for extra in extras}
+    # wheel: the wheel-building tests call setuptools' backend, which needs it before setuptools 70.1.
+    assert {"pytest", "hypothesis", "setuptools", "wheel", "numpy"} <= names["test"]
+    assert {"matplotlib", "tqdm"} <= names["examples"]
+
+
+def test_licence_and_changelog():
+    licence = (ROOT / "LICENSE").read_text()
+    assert licence.startswith("BSD 3-Clause License") and "the amp_bn_fix authors" in licence
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert "Keep a Changelog" in changelog
+    assert f"## [{amp_bn_fix.__version__}]" in changelog
+
+
+@pytest.mark.slow
+def test_the_wheel_and_the_sdist_carry_the_licence(tmp_path):
+    # The backend as pip would call it, on a copy of the project as a clone has it.
+    project = tmp_path / "project"
+    tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    files = tracked.stdout.split() if tracked.returncode == 0 else []
+    if not files:
+        pytest.skip("not a git checkout")
+    for name in files:
+        source = ROOT / name
+        if source.is_file():
+            (project / name).parent.mkdir(parents=True, exist_ok=True)
+            (project / name).write_bytes(source.read_bytes())
+    dist = tmp_path / "dist"
+    code = ("import sys; from setuptools import build_meta as b; "
+            "out = sys.argv[1]; w = b.build_wheel(out); s = b.build_sdist(out); print('built', w, s)")
+    result = subprocess.run([sys.executable, "-c", code, str(dist)], cwd=project, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    wheel_name, sdist_name = result.stdout.strip().splitlines()[-1].split()[1:]
+    licence = (ROOT / "LICENSE").read_bytes()
+
+    wheel = zipfile.ZipFile(dist / wheel_name)
+    (in_wheel,) = [n for n in wheel.namelist() if n.endswith("LICENSE") and ".dist-info/" in n]
+    assert wheel.read(in_wheel) == licence
+    metadata = wheel.read(next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Author: amp_bn_fix authors" in metadata and "Requires-Python: >=3.10" in metadata
+    assert "Classifier: Framework :: PyTorch" in metadata and "Provides-Extra: examples" in metadata
+
+    with tarfile.open(dist / sdist_name) as sdist:
+        names = sdist.getnames()
+        (in_sdist,) = [n for n in names if n.count("/") == 1 and n.endswith("/LICENSE")]
+        assert sdist.extractfile(in_sdist).read() == licence
+        assert any(n.endswith("/CHANGELOG.md") for n in names)

@@ -1,4 +1,4 @@
-"""The two snippets of the seed report (pytorch issue 88929), without and with amp_bn_fix.
+"""The two snippets of the bug report pytorch#88929, without and with amp_bn_fix.
 
 Snippet 1 puts BatchNorm first: it receives the FP32 input, so its output is float32 either way.
 Snippet 2 puts it after a Linear: under autocast it receives float16/bfloat16 and, natively,
@@ -7,7 +7,7 @@ returns float16/bfloat16; the report expects float32. With amp_bn_fix it is floa
 Runs on CUDA (float16, as in the report) when a GPU is present, and on CPU autocast with float16
 and bfloat16 always::
 
-    python examples/seed_repro.py
+    python examples/bug_report.py
 """
 
 from __future__ import annotations
