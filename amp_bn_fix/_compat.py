@@ -15,6 +15,11 @@ _is_autocast_available = torch.amp.is_autocast_available
 # torch.compiler.is_exporting exists from torch 2.6; strict export is also "compiling" before that.
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+# True only in code dynamo is tracing (not while it runs a traced call on fake tensors).
+is_dynamo_tracing = torch.compiler.is_dynamo_compiling
+# torch.compiler.config.cache_key_tag (torch 2.6+) goes into inductor's and AOTAutograd's cache keys.
+_compiler_config = getattr(torch.compiler, "config", None)
+_TAG_SEPARATOR = "|amp_bn_fix:"
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -85,3 +90,19 @@ def autocast_deferred(device_type: str) -> bool:
             if node.args[:1] == (device_type,) and (len(node.args) < 3 or node.args[2]):
                 return True
     return False
+
+
+def set_compile_cache_tag(settings: Optional[str]) -> None:
+    """Make ``settings`` part of torch.compile's cache keys (``None`` removes them).
+
+    Appended to the tag the user set (``TORCH_COMPILE_CACHE_KEY_TAG``, or in code), which stays
+    as it was. A no-op on torch versions without the tag (before 2.6).
+    """
+    if not hasattr(_compiler_config, "cache_key_tag"):
+        return
+    current = _compiler_config.cache_key_tag
+    tag = current.split(_TAG_SEPARATOR, 1)[0]
+    if settings is not None:
+        tag += _TAG_SEPARATOR + settings
+    if tag != current:
+        _compiler_config.cache_key_tag = tag

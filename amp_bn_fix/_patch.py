@@ -11,9 +11,10 @@ import contextvars
 import importlib
 import logging
 import operator
+import sys
 import threading
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional
@@ -34,8 +35,8 @@ class _ThreadState(threading.local):
     # True while this thread is inside a handled call: tensor subclasses and TorchFunctionModes
     # call the patched name again from inside F.batch_norm, and the policy must apply once.
     inside = False
-    # The innermost scope's policy on this thread, for compiled code only: dynamo cannot read a
-    # ContextVar, and guards on this attribute instead (see ``_scope_policy``).
+    # The innermost scope's policy on this thread, for code dynamo traces (``get_policy()`` inside
+    # a compiled function): dynamo cannot read a ContextVar (see ``_scope_policy``).
     compiled_policy: Optional[str] = None
 
 
@@ -58,6 +59,9 @@ _lock = threading.RLock()
 _config = Config()
 # The wrapper in place for each patched (owner, attribute), in the order applied.
 _handles: Dict[Tuple[Any, str], wrapt.FunctionWrapper] = {}
+# The policies torch.compile has compiled batch-norm calls under (see ``scoped_policy``).
+_compiled_policies: Set[str] = set()
+_warned_compiled_scope = False
 
 
 class _ModuleByName:
@@ -150,7 +154,7 @@ def _policy_wrapper(
             return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
         if config.devices is not None and input.device.type not in config.devices:
             return wrapped(*args, **kwargs)
-        policy = _scope_policy() or config.policy
+        policy = _call_policy(config)
         if policy != "off" and _compat.autocast_deferred(input.device.type):
             _refuse_recorded_autocast(policy)
         if dtype is _F32:
@@ -181,7 +185,35 @@ def _module_apply_wrapper(wrapped: Callable[..., Any], instance: Any, args: tupl
 def configure(config: Config) -> None:
     """Make ``config`` the process-wide settings (one assignment: readers see old or new)."""
     global _config
+    changed = config != _config
     _config = config
+    if changed:
+        _settings_changed()
+
+
+def _settings_changed() -> None:
+    """Make torch.compile follow a change of what the shim computes.
+
+    Compiled code holds the policy it was traced under, and nothing in it tells dynamo's guards or
+    the on-disk caches (inductor's FX graphs, AOTAutograd's) that the shim was involved: the graph
+    calls ``F.batch_norm`` as plain torch's would. So the settings go into the caches' key, and
+    code compiled in this process is dropped (``torch.compiler.reset()``) to recompile on its next
+    call. Dynamo is reset only once imported: importing it costs a second.
+    """
+    _tag_compile_caches()
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.reset()
+        _compiled_policies.clear()
+
+
+def _tag_compile_caches() -> None:
+    """Add the settings in force (the innermost scope's policy included) to the compile cache key."""
+    settings = None
+    if _handles:
+        c = _config
+        policy = _scope_policy() or c.policy
+        settings = f"policy={policy},guard={c.describe('guard')},devices={c.describe('devices')}"
+    _compat.set_compile_cache_tag(settings)
 
 
 def current_config() -> Config:
@@ -190,10 +222,18 @@ def current_config() -> Config:
 
 def _scope_policy() -> Optional[str]:
     """The innermost scope's policy, None outside every scope (or in a scope of ``None``)."""
-    if torch.compiler.is_compiling():
+    if _compat.is_dynamo_tracing():
         return _thread.compiled_policy
     scopes = _scopes.get()
     return scopes[-1].policy if scopes else None
+
+
+def _call_policy(config: Config) -> str:
+    """The policy for one handled call; recorded when torch.compile traces the call."""
+    policy = _scope_policy() or config.policy
+    if torch.compiler.is_compiling():
+        _compiled_policies.add(policy)
+    return policy
 
 
 def active_policy() -> str:
@@ -204,6 +244,8 @@ def active_policy() -> str:
 def scoped_policy(name: Optional[str]) -> Iterator[None]:
     """Within the block, ``name`` is the policy of this context (``None``: the process-wide one)."""
     scope = _Scope(name)
+    if _compiled_policies and (name or _config.policy) not in _compiled_policies:
+        _warn_compiled_scope(name or _config.policy)
     _set_scopes(_scopes.get() + (scope,))
     try:
         yield
@@ -214,6 +256,22 @@ def scoped_policy(name: Optional[str]) -> Iterator[None]:
 def _set_scopes(scopes: Tuple[_Scope, ...]) -> None:
     _scopes.set(scopes)
     _thread.compiled_policy = scopes[-1].policy if scopes else None
+    _tag_compile_caches()
+
+
+def _warn_compiled_scope(policy: str) -> None:
+    # Dynamo cannot guard on a scope: compiled code keeps the policy it was compiled under.
+    global _warned_compiled_scope
+    if not _warned_compiled_scope:
+        _warned_compiled_scope = True
+        compiled = ", ".join(sorted(_compiled_policies))
+        warnings.warn(
+            f"amp_bn_fix: policy({policy!r}) does not reach code torch.compile has already compiled "
+            f"(compiled under {compiled}): compiled functions keep the policy they were compiled "
+            "under. Compile inside the block, or call torch.compiler.reset() to recompile.",
+            RuntimeWarning,
+            stacklevel=6,  # the user's ``with amp_bn_fix.policy(...)`` line
+        )
 
 
 def _targets() -> List[Tuple[Any, str, Callable[..., Any]]]:
@@ -252,6 +310,7 @@ def install() -> bool:
                 applied = True
         if applied:
             log.debug("patched torch.nn.functional.batch_norm (policy %s)", _config.policy)
+            _settings_changed()
         return applied
 
 
@@ -276,6 +335,8 @@ def uninstall() -> bool:
                     continue
                 if _handles.get((owner, name)) is handle:
                     del _handles[owner, name]
+        if found:
+            _settings_changed()
         if found and removed_all:
             log.debug("restored torch.nn.functional.batch_norm")
         return found and removed_all

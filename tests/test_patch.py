@@ -1,6 +1,7 @@
 """Installing the patch, the public API, pass-through calls and composition with the rest of torch."""
 
 import copy
+import os
 import threading
 import warnings
 
@@ -422,6 +423,100 @@ def test_torch_compile_fp32_output_of_bn(backend):
     out = f(x)
     assert out.dtype is torch.float32
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def compiled_bn_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16)).train()
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    return step, torch.compile(step, backend="aot_eager", fullgraph=True)
+
+
+def test_compiled_code_follows_process_wide_settings():
+    # Dynamo cannot see the policy: a settings change must make compiled code recompile.
+    torch._dynamo.reset()
+    step, compiled = compiled_bn_step()
+    x = torch.randn(64, 8)
+    assert compiled(x).dtype is step(x).dtype is torch.float32
+    amp_bn_fix.set_policy("input")
+    assert compiled(x).dtype is step(x).dtype is torch.bfloat16
+    amp_bn_fix.set_policy("fp32")
+    assert compiled(x).dtype is torch.float32
+    amp_bn_fix.disable()
+    assert compiled(x).dtype is step(x).dtype is torch.bfloat16
+    amp_bn_fix.enable()
+    assert compiled(x).dtype is torch.float32
+
+
+def test_scope_around_compiled_code_warns_that_it_does_not_reach_it(monkeypatch):
+    monkeypatch.setattr(_patch, "_warned_compiled_scope", False)
+    torch._dynamo.reset()
+    step, compiled = compiled_bn_step()
+    x = torch.randn(64, 8)
+    compiled(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp_bn_fix.policy("fp32"):  # the policy it was compiled under: nothing to say
+            assert compiled(x).dtype is torch.float32
+    with pytest.warns(RuntimeWarning, match=r"policy\('input'\) does not reach code torch.compile") as record:
+        with amp_bn_fix.policy("input"):
+            pass
+    assert record[0].filename == __file__
+
+
+def test_compile_cache_key_carries_the_settings(monkeypatch):
+    config = pytest.importorskip("torch.compiler.config")
+    if not hasattr(config, "cache_key_tag"):
+        pytest.skip("this torch has no compile cache key tag")
+    monkeypatch.setattr(config, "cache_key_tag", "user-tag")
+    amp_bn_fix.set_policy("input")
+    assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=input,guard=1,devices=all"
+    with amp_bn_fix.policy("off"):
+        assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=off,guard=1,devices=all"
+    assert config.cache_key_tag.endswith("policy=input,guard=1,devices=all")
+    amp_bn_fix.disable()
+    assert config.cache_key_tag == "user-tag"
+
+
+COMPILE_PROBE = """
+import os, sys, torch
+from torch import nn
+if os.environ.get("PROBE_SHIM"):
+    import amp_bn_fix
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)).train()
+def step(x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(x)
+x = torch.randn(4, 3, 16, 16)
+compiled = torch.compile(step, backend="inductor")(x)
+torch.compiler.reset()
+eager = step(x)
+print(compiled.dtype, eager.dtype, (compiled.float() - eager.float()).abs().max().item())
+"""
+
+
+@pytest.mark.slow
+def test_on_disk_compile_caches_do_not_mix_runs_with_and_without_the_shim(tmp_path):
+    # Inductor's and AOTAutograd's caches outlive the process and are shared by a user's runs.
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    runs = [({}, "torch.bfloat16"), ({"PROBE_SHIM": "1"}, "torch.float32"),
+            ({"PROBE_SHIM": "1", "AMP_BN_FIX_POLICY": "input"}, "torch.bfloat16"),
+            ({"PROBE_SHIM": "1"}, "torch.float32"), ({}, "torch.bfloat16")]
+    for extra, dtype in runs:
+        result = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env={**env, **extra},
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        compiled_dtype, eager_dtype, diff = result.stdout.split()
+        assert (compiled_dtype, eager_dtype) == (dtype, dtype), extra
+        assert float(diff) <= 0.02, extra
 
 
 def test_torch_export():
