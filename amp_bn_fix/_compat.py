@@ -70,8 +70,12 @@ def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:
-    """Whether several elements of ``t`` share memory (an expanded, stride-0 tensor)."""
-    return torch._debug_has_internal_overlap(t) == 1
+    """Whether several elements of ``t`` share memory (an expanded, stride-0 tensor).
+
+    Read from the strides, as ``torch._debug_has_internal_overlap(t) == 1`` decides it: that op has
+    no ``vmap`` batching rule (``torch.func`` ensembles would fail) and tracers record it as a node.
+    """
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
 
 
 def autocast_deferred(device_type: str) -> bool:
