@@ -13,7 +13,7 @@ from torch.overrides import has_torch_function_variadic
 # are deprecated and not supported.
 _is_autocast_available = torch.amp.is_autocast_available
 # torch.compiler.is_exporting exists from torch 2.6; strict export is also "compiling" before that.
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_is_exporting = is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
 # True only in code dynamo is tracing (not while it runs a traced call on fake tensors).
 is_dynamo_tracing = torch.compiler.is_dynamo_compiling

@@ -231,7 +231,8 @@ def _scope_policy() -> Optional[str]:
 def _call_policy(config: Config) -> str:
     """The policy for one handled call; recorded when torch.compile traces the call."""
     policy = _scope_policy() or config.policy
-    if torch.compiler.is_compiling():
+    # Strict torch.export traces with dynamo too, but keeps no compiled code a scope could miss.
+    if torch.compiler.is_compiling() and not _compat.is_exporting():
         _compiled_policies.add(policy)
     return policy
 

@@ -305,6 +305,19 @@ def test_strict_export_with_autocast_inside_forward_fails_loudly(training):
     assert plain.module()(x).dtype is BF16
 
 
+def test_strict_export_leaves_no_compiled_policy_behind(monkeypatch):
+    # Strict export traces with dynamo, but keeps no compiled code: a later policy() block (the
+    # error message above recommends one) must not warn that it misses compiled code.
+    monkeypatch.setattr(_patch, "_warned_compiled_scope", False)
+    monkeypatch.setattr(_patch, "_compiled_policies", set())
+    with autocast():
+        torch.export.export(conv_bn(), (image(),), strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp_bn_fix.policy("off"):
+            pass
+
+
 def traced(model, x):
     with autocast(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.jit.trace's own deprecation and tracer warnings
