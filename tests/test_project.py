@@ -75,7 +75,7 @@ def test_the_extras_have_what_the_tests_and_the_examples_import():
     names = {extra: {re.split(r"[<>=!~ ]", line.strip())[0] for line in extras[extra].splitlines() if line.strip()}
              for extra in extras}
     # wheel: the wheel-building tests call setuptools' backend, which needs it before setuptools 70.1.
-    assert {"pytest", "hypothesis", "setuptools", "wheel", "numpy"} <= names["test"]
+    assert {"pytest", "hypothesis", "setuptools", "wheel", "numpy", "expecttest"} <= names["test"]
     assert {"matplotlib", "tqdm"} <= names["examples"]
 
 
