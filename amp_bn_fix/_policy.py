@@ -60,12 +60,13 @@ def _is_mixed(call: BatchNormCall) -> bool:
 def _torch_decides(call: BatchNormCall) -> bool:
     """Whether ``call`` goes to torch untouched: calls torch rejects, or whose update it owns.
 
-    A non-tensor parameter or statistic gets torch's own ``TypeError``; in training, running stats
-    that require grad get torch's refusal, and stats whose elements share memory (expanded, stride
-    0) get torch's own update, which no copy-and-write-back can reproduce.
+    A non-tensor parameter or statistic gets torch's own ``TypeError``, and a non-float one (integer
+    running stats) torch's own dtype error, which names the input's dtype, not FP32; in training,
+    running stats that require grad get torch's refusal, and stats whose elements share memory
+    (expanded, stride 0) get torch's own update, which no copy-and-write-back can reproduce.
     """
     tensors = (call.running_mean, call.running_var, call.weight, call.bias)
-    if any(t is not None and not isinstance(t, torch.Tensor) for t in tensors):
+    if any(t is not None and not (isinstance(t, torch.Tensor) and t.is_floating_point()) for t in tensors):
         return True
     if call.training:
         for stat in (call.running_mean, call.running_var):

@@ -535,6 +535,8 @@ def call_cases():
         "float-weight": lambda f, t: f(x, torch.zeros(3), torch.ones(3), 1.0, None, t),
         "list-stats": lambda f, t: f(x, [0.0] * 3, [1.0] * 3, None, None, t),
         "int-bias": lambda f, t: f(x, None, None, None, 1, t),
+        # Torch's message names the input's dtype ("expected scalar type BFloat16 but found Long").
+        "integer-stats": lambda f, t: f(x, torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long), None, None, t),
         "stats-require-grad": lambda f, t: f(
             x, torch.zeros(3, requires_grad=True), torch.ones(3, requires_grad=True), None, None, t
         ),
@@ -549,7 +551,7 @@ def outcome(call):
     return out.dtype, None
 
 
-REJECTED = [(case, training) for case in ("float-weight", "list-stats", "int-bias") for training in (True, False)]
+REJECTED = [(case, training) for case in ("float-weight", "list-stats", "int-bias", "integer-stats") for training in (True, False)]
 # Stats that require grad are refused in training only (eval never writes them).
 REJECTED.append(("stats-require-grad", True))
 
