@@ -468,18 +468,24 @@ def test_scope_around_compiled_code_warns_that_it_does_not_reach_it(monkeypatch)
     assert record[0].filename == __file__
 
 
-def test_compile_cache_key_carries_the_settings(monkeypatch):
+def test_compile_cache_key_carries_the_settings():
     config = pytest.importorskip("torch.compiler.config")
     if not hasattr(config, "cache_key_tag"):
         pytest.skip("this torch has no compile cache key tag")
-    monkeypatch.setattr(config, "cache_key_tag", "user-tag")
-    amp_bn_fix.set_policy("input")
-    assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=input,guard=1,devices=all"
-    with amp_bn_fix.policy("off"):
-        assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=off,guard=1,devices=all"
-    assert config.cache_key_tag.endswith("policy=input,guard=1,devices=all")
-    amp_bn_fix.disable()
-    assert config.cache_key_tag == "user-tag"
+    # Restored by hand: pytest 9's monkeypatch restores an attribute missing from the module's
+    # __dict__ by deleting it, which hides torch's config entry and breaks every later compile.
+    saved = config.cache_key_tag
+    config.cache_key_tag = "user-tag"
+    try:
+        amp_bn_fix.set_policy("input")
+        assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=input,guard=1,devices=all"
+        with amp_bn_fix.policy("off"):
+            assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=off,guard=1,devices=all"
+        assert config.cache_key_tag.endswith("policy=input,guard=1,devices=all")
+        amp_bn_fix.disable()
+        assert config.cache_key_tag == "user-tag"
+    finally:
+        config.cache_key_tag = saved
 
 
 COMPILE_PROBE = """

@@ -228,8 +228,9 @@ def test_op_samples_under_autocast_match_fp64(autocast_dtype, policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("module_info", MODULES, ids=lambda m: m.module_cls.__name__)
-def test_module_inputs_under_autocast_match_fp64(module_info, policy):
+def test_module_inputs_under_autocast_match_fp64(module_info, autocast_dtype, policy):
     amp_bn_fix.set_policy(policy)
     for training in (True, False):
         torch.manual_seed(0)
@@ -238,12 +239,12 @@ def test_module_inputs_under_autocast_match_fp64(module_info, policy):
             torch.manual_seed(1)
             module = module_info.module_cls(*mi.constructor_input.args, **mi.constructor_input.kwargs).train(training)
             reference = copy.deepcopy(module).double()
-            x = fresh(mi.forward_input.args[0], torch.bfloat16)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = fresh(mi.forward_input.args[0], autocast_dtype)
+            with torch.autocast("cpu", dtype=autocast_dtype):
                 out = module(x)
             ref = reference(fresh(x, torch.float64))
-            assert out.dtype is expected_dtype(policy, torch.bfloat16, torch.bfloat16), mi.desc
-            tol = 2e-5 if out.dtype is torch.float32 else 1e-2
+            assert out.dtype is expected_dtype(policy, autocast_dtype, autocast_dtype), mi.desc
+            tol = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[out.dtype]
             scale = max(ref.abs().max().item(), 1.0) if ref.numel() else 1.0
             torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * scale)
             for ours, theirs in zip(module.buffers(), reference.buffers()):
