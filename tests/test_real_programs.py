@@ -259,6 +259,8 @@ def assert_matches_eager(out, grads, expected, expected_grads, policy):
         torch.testing.assert_close(a, b, rtol=tol * 10, atol=tol)
 
 
+@pytest.mark.xfail(TORCH < (2, 6), reason="torch 2.4's export functionalization refuses the guard's "
+                   "FP32 working copies of the stats (cannot mutate tensors with frozen storage)")
 @pytest.mark.parametrize("policy", ["fp32", "input"])
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
 def test_export_in_training_under_autocast_updates_running_stats_like_eager(strict, policy):
@@ -332,7 +334,8 @@ def test_strict_export_with_autocast_inside_forward_fails_loudly(training):
     assert plain.module()(x).dtype is BF16
 
 
-@pytest.mark.skipif(TORCH < (2, 6), reason="torch.compiler.is_exporting exists from torch 2.6")
+@pytest.mark.skipif(TORCH < (2, 8), reason="strict export sets torch.compiler.is_exporting() while "
+                    "dynamo traces from torch 2.8 (not on 2.6)")
 def test_strict_export_leaves_no_compiled_policy_behind(monkeypatch):
     # Strict export traces with dynamo, but keeps no compiled code: a later policy() block (the
     # error message above recommends one) must not warn that it misses compiled code.

@@ -145,6 +145,8 @@ def test_module_inputs_outside_autocast_are_bitwise_plain_torch(module_info, dty
 @pytest.mark.parametrize("under_autocast", [False, True], ids=["plain", "autocast"])
 @pytest.mark.parametrize("module_info", MODULES, ids=lambda m: m.module_cls.__name__)
 def test_module_error_inputs_raise_torchs_errors(module_info, under_autocast):
+    if module_info.module_error_inputs_func is None:
+        pytest.skip("this torch's BatchNorm ModuleInfos have no error inputs")
     errors = list(module_info.module_error_inputs_func(module_info, device="cpu", dtype=torch.float32, requires_grad=False, training=True))
     assert errors
 
