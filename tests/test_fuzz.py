@@ -7,7 +7,6 @@ float64: the same error when that one fails, else the output dtype the policy na
 running stats within FP32 accuracy, plus one rounding of the output.
 """
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
@@ -101,18 +100,16 @@ def build(spec):
     return x, mean, var, weight, bias
 
 
-def clone(t, dtype=None):
-    return None if t is None else t.to(dtype or t.dtype, copy=True)
-
-
 def call(fn, spec, tensors, dtype=None, autocast=None):
-    """``fn`` on copies of ``tensors`` (cast to ``dtype``): ``(output, mean, var)`` or the error."""
+    """``fn`` on copies of ``tensors`` (float ones cast to ``dtype``): ``(output, mean, var)`` or the error."""
+
+    def copy(t):
+        return None if t is None else t.to(dtype if dtype is not None and t.is_floating_point() else t.dtype, copy=True)
+
     x, mean, var, weight, bias = tensors
-    mean, var = clone(mean, dtype if mean is not None and mean.is_floating_point() else None), clone(var, dtype if var is not None and var.is_floating_point() else None)
+    mean, var, weight, bias = copy(mean), copy(var), copy(weight), copy(bias)
     if dtype is not None:
         x = x.to(dtype)
-        weight = clone(weight, dtype if weight is not None and weight.is_floating_point() else None)
-        bias = clone(bias, dtype if bias is not None and bias.is_floating_point() else None)
     try:
         with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             out = fn(x, mean, var, weight, bias, spec["training"], spec["momentum"], spec["eps"])
@@ -179,7 +176,7 @@ def check(spec):
         if ours_stat is None:
             continue
         assert ours_stat.dtype is given_stat.dtype  # updated in place, in the caller's dtype
-        stat_tol = 1e-5 if ours_stat.dtype is torch.float32 else {torch.bfloat16: 1e-2, torch.float16: 2e-3}[ours_stat.dtype]
+        stat_tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[ours_stat.dtype]
         torch.testing.assert_close(ours_stat.double(), ref_stat, rtol=stat_tol, atol=stat_tol, equal_nan=True)
     return "handled-valid"
 

@@ -621,7 +621,7 @@ def call_cases():
         "list-stats": lambda f, t: f(x, [0.0] * 3, [1.0] * 3, None, None, t),
         "int-bias": lambda f, t: f(x, None, None, None, 1, t),
         # Torch's message names the input's dtype ("expected scalar type BFloat16 but found Long").
-        "integer-stats": lambda f, t: f(x, torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long), None, None, t),
+        "integer-stats": lambda f, t: f(x, torch.zeros(3).long(), torch.ones(3).long(), None, None, t),
         "stats-require-grad": lambda f, t: f(
             x, torch.zeros(3, requires_grad=True), torch.ones(3, requires_grad=True), None, None, t
         ),
@@ -636,7 +636,11 @@ def outcome(call):
     return out.dtype, None
 
 
-REJECTED = [(case, training) for case in ("float-weight", "list-stats", "int-bias", "integer-stats") for training in (True, False)]
+REJECTED = [
+    (case, training)
+    for case in ("float-weight", "list-stats", "int-bias", "integer-stats")
+    for training in (True, False)
+]
 # Stats that require grad are refused in training only (eval never writes them).
 REJECTED.append(("stats-require-grad", True))
 

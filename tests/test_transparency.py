@@ -78,6 +78,11 @@ def assert_bitwise(ours, theirs):
             assert a.dtype is b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+def current_batch_norm(*args, **kwargs):
+    # Looked up at call time, as every caller does: the wrapper, or the original once disabled.
+    return F.batch_norm(*args, **kwargs)
+
+
 def with_and_without_shim(fn):
     ours = fn()
     amp_bn_fix.disable()
@@ -97,15 +102,16 @@ def test_op_samples_outside_autocast_are_bitwise_plain_torch(dtype):
     assert samples
     for name, s in samples:
         assert not is_mixed_half_call(s.input, s.args)  # no documented exception applies
-        # Look the function up at call time, as every caller does: the wrapper, then the original.
-        ours, theirs = with_and_without_shim(lambda: run_call(lambda *a, **k: F.batch_norm(*a, **k), s.input, list(s.args), s.kwargs))
+        ours, theirs = with_and_without_shim(lambda: run_call(current_batch_norm, s.input, list(s.args), s.kwargs))
         assert_bitwise(ours, theirs)
 
 
 def module_runs(module_info, dtype, training):
     """Every ModuleInfo input of ``module_info``: build, forward, backward; results per input."""
     torch.manual_seed(0)
-    inputs = module_info.module_inputs_func(module_info, device="cpu", dtype=dtype, requires_grad=True, training=training)
+    inputs = module_info.module_inputs_func(
+        module_info, device="cpu", dtype=dtype, requires_grad=True, training=training
+    )
     cls = module_info.module_cls
 
     def run():
@@ -147,7 +153,9 @@ def test_module_inputs_outside_autocast_are_bitwise_plain_torch(module_info, dty
 def test_module_error_inputs_raise_torchs_errors(module_info, under_autocast):
     if module_info.module_error_inputs_func is None:
         pytest.skip("this torch's BatchNorm ModuleInfos have no error inputs")
-    errors = list(module_info.module_error_inputs_func(module_info, device="cpu", dtype=torch.float32, requires_grad=False, training=True))
+    errors = list(module_info.module_error_inputs_func(
+        module_info, device="cpu", dtype=torch.float32, requires_grad=False, training=True
+    ))
     assert errors
 
     def run():
@@ -236,7 +244,9 @@ def test_module_inputs_under_autocast_match_fp64(module_info, autocast_dtype, po
     amp_bn_fix.set_policy(policy)
     for training in (True, False):
         torch.manual_seed(0)
-        inputs = module_info.module_inputs_func(module_info, device="cpu", dtype=torch.float32, requires_grad=True, training=training)
+        inputs = module_info.module_inputs_func(
+            module_info, device="cpu", dtype=torch.float32, requires_grad=True, training=training
+        )
         for mi in inputs:
             torch.manual_seed(1)
             module = module_info.module_cls(*mi.constructor_input.args, **mi.constructor_input.kwargs).train(training)
@@ -265,6 +275,6 @@ def test_policy_off_under_autocast_is_bitwise_plain_torch(autocast_dtype):
 
         def run():
             with torch.autocast("cpu", dtype=autocast_dtype):
-                return run_call(lambda *a, **k: F.batch_norm(*a, **k), x, list(s.args), s.kwargs)
+                return run_call(current_batch_norm, x, list(s.args), s.kwargs)
 
         assert_bitwise(*with_and_without_shim(run))
