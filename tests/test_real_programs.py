@@ -497,6 +497,30 @@ def test_non_reentrant_checkpoint_updates_running_stats_as_plain_torch():
     assert_stats_close(run(), plain_torch(run))
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_segment_with_batchnorm_inside_runs_as_plain_torch(reentrant):
+    # The BatchNorm is followed by a convolution inside the segment, so even non-reentrant
+    # checkpoint's early stop comes after the stats were written back: two updates, as plain torch.
+    from torch.utils.checkpoint import checkpoint
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1))
+        x = image().requires_grad_()
+        with autocast():
+            out = checkpoint(model, x, use_reentrant=reentrant)
+        out.float().square().mean().backward()
+        bn = model[1]
+        return out.detach(), x.grad, bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.item()
+
+    ours, expected = run(), plain_torch(run)
+    assert ours[0].dtype is expected[0].dtype is BF16  # the last conv's output, under autocast
+    torch.testing.assert_close(ours[0].float(), expected[0].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ours[1], expected[1], rtol=5e-2, atol=5e-3)
+    assert_stats_close(ours[2:4], expected[2:4])
+    assert ours[4] == expected[4]
+
+
 # --- 6. policy scopes in interleaved contexts --------------------------------------------------
 
 
