@@ -109,19 +109,25 @@ def fp32_train_eligible(
 
 
 class _NormalizeWithBatchStats(torch.autograd.Function):
-    """``(x - mean) * invstd * weight + bias`` with ``mean``/``var`` the batch statistics of ``x``.
+    """``(x - mean) * invstd * weight + bias`` in FP32 for a half ``x``, ``mean``/``var`` its batch statistics.
 
     The statistics come in detached; the backward is the training-mode one, so the gradient flows
-    through them as it does in ``F.batch_norm``. The backward is an ATen op with its own derivative,
-    so double backward works.
+    through them as it does in ``F.batch_norm``. Only the half input is saved for backward (half
+    the bytes of an FP32 copy, and a tensor the caller holds anyway): the backward upcasts it
+    again, exactly, and runs torch's FP32 backward, an ATen op with its own derivative, so double
+    backward works (the upcast is differentiable too).
     """
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                 mean: torch.Tensor, var: torch.Tensor, eps: float) -> torch.Tensor:
-        # Inference mode of the FP32 kernel: one pass, fast for NCHW and channels_last alike.
-        out = torch.batch_norm(input, weight, bias, mean, var, False, 0.0, eps, False)
-        ctx.save_for_backward(input, weight, mean, torch.rsqrt(var + eps))
+        invstd = torch.rsqrt(var + eps)
+        scale = invstd if weight is None else invstd * weight
+        shift = -mean * scale if bias is None else torch.addcmul(bias, mean, scale, value=-1)
+        view = (-1,) + (1,) * (input.dim() - 2)
+        # The FP32 copy becomes the output, normalized in place: one FP32 allocation in all.
+        out = input.float().mul_(scale.view(view)).add_(shift.view(view))
+        ctx.save_for_backward(input, weight, mean, invstd)
         ctx.eps = eps
         return out
 
@@ -130,8 +136,10 @@ class _NormalizeWithBatchStats(torch.autograd.Function):
         input, weight, mean, invstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
         grad_input, grad_weight, grad_bias = _aten.native_batch_norm_backward(
-            grad, input, weight, None, None, mean, invstd, True, ctx.eps, [needs[0], needs[1], needs[2]]
+            grad, input.float(), weight, None, None, mean, invstd, True, ctx.eps, [needs[0], needs[1], needs[2]]
         )
+        if grad_input is not None:
+            grad_input = grad_input.to(input.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
@@ -175,4 +183,4 @@ def fp32_train_batch_norm(
         # Through ``.data``, like the native kernels' update: no autograd version bump.
         running_mean.data.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
         running_var.data.copy_(running_var.double() * (1 - momentum) + var * (momentum * count / (count - 1)))
-    return _NormalizeWithBatchStats.apply(input.float(), weight, bias, mean.float(), var.float(), eps)
+    return _NormalizeWithBatchStats.apply(input, weight, bias, mean.float(), var.float(), eps)
