@@ -29,7 +29,7 @@ import torch
 _aten = torch.ops.aten
 # Shortest (sample, channel) row for which :func:`_batch_stats` pays; shorter rows (BatchNorm1d on
 # (N, C), tiny feature maps) take the reference path, cheap at those sizes.
-_MIN_ROW = 32
+_MIN_ROW = 256
 
 
 def mixed_batch_norm(
