@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_bn_fix
-from amp_bn_fix import _config, _patch
+from amp_bn_fix import _config, _kernels, _patch
 
 ORIGINAL = F.batch_norm.__wrapped__
 HALF = [torch.float16, torch.bfloat16]
@@ -317,6 +317,25 @@ def test_fp32_policy_training_saves_only_the_half_input_for_backward(dtype, rank
     assert large and all(t.dtype is dtype for t in large)
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
     assert case.x.grad.dtype is dtype and torch.isfinite(case.x.grad).all()
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("shape", [(9, CHANNELS, 256), (9, CHANNELS, 16, 16), (9, CHANNELS, 4, 8, 8)], ids=["1d", "2d", "3d"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("mean", [0.0, 300.0], ids=["centred", "large-mean"])
+def test_fp32_policy_chunked_backward_matches_the_references(monkeypatch, dtype, shape, affine, mean):
+    # Chunks of 2 samples out of 9 (the last one shorter): the backward of large inputs, made small.
+    monkeypatch.setattr(_kernels, "_CHUNK", 2 * math.prod(shape[1:]))
+    calls = []
+    chunked = _kernels._backward_in_chunks
+    monkeypatch.setattr(_kernels, "_backward_in_chunks", lambda *args: calls.append(1) or chunked(*args))
+    case = make_case(shape, dtype, "contiguous", True, affine=affine, stats=True)
+    if mean:
+        # As in the large-mean test above: the FP32 computation's own error is about 1e-4 here.
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 0.5 + mean
+        case.x = x.to(dtype).requires_grad_()
+    check_case(case, "fp32", autocast_dtype=dtype, fp32_rtol=1e-4 if mean else 2e-6)
+    assert calls
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
