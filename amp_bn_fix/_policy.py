@@ -156,11 +156,11 @@ def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Te
     """Write ``work`` (the two updated stats, stacked) into ``stats`` only if it is all finite.
 
     A device-side select, no host sync; the old values are selected bit for bit, so a non-finite
-    batch leaves the stats exactly as they were. Five small kernels: the check over both stats
-    (``amax`` propagates NaN, and the largest magnitude is finite only if every value is; cheaper
-    than ``isfinite``, itself several kernels, and ``all``), and one select per stat writing in
-    place. In plain eager mode the select writes through ``.data`` (see :func:`_write_back`);
-    elsewhere it is a select and an ordinary copy, which tracers record.
+    batch leaves the stats exactly as they were. One check over both stats (``amax`` propagates
+    NaN, and the largest magnitude is finite only if every value is: fewer kernels than
+    ``isfinite``, itself four, and ``all``), and one select per stat writing in place. In plain
+    eager mode the select writes through ``.data`` (see :func:`_write_back`); elsewhere it is a
+    select and an ordinary copy, which tracers record.
     """
     finite = work.abs().amax() < _INF
     for stat, value in zip(stats, work):
