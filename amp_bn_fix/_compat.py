@@ -15,6 +15,13 @@ _is_autocast_available = torch.amp.is_autocast_available
 # torch.compiler.is_exporting exists from torch 2.6; strict export is also "compiling" before that.
 _is_exporting = is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_has_torch_function = has_torch_function_variadic
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_key_included = torch._C._dispatch_tls_is_dispatch_key_included
+_functorch_active = torch._C._are_functorch_transforms_active
+_forward_ad = torch.autograd.forward_ad
+_jit_tracing = torch._C._is_tracing
 # True only in code dynamo is tracing (not while it runs a traced call on fake tensors).
 is_dynamo_tracing = torch.compiler.is_dynamo_compiling
 # torch.compiler.config.cache_key_tag (torch 2.6+) goes into inductor's and AOTAutograd's cache keys.
@@ -53,17 +60,17 @@ def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
     running-stat write-back through ``.data``); everywhere else the reference computation runs.
     """
     for t in tensors:
-        if t is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        if t is not None and type(t) is not _Tensor and type(t) is not _Parameter:
             return False
+    # Each check is one C call on a module-level name: this runs on every handled call.
     return not (
-        has_torch_function_variadic(*tensors)  # also True under a TorchFunctionMode
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._len_torch_dispatch_stack()  # counts the infra modes (fake, proxy, functional)
+        _has_torch_function(*tensors)  # also True under a TorchFunctionMode
+        or _dispatch_stack_len()  # counts the infra modes (fake, proxy, functional)
         # Pre-dispatch tracing (torch.export) keeps its modes apart and includes this key.
-        or torch._C._dispatch_tls_is_dispatch_key_included(_PRE_DISPATCH)
-        or torch._C._are_functorch_transforms_active()
-        or torch.autograd.forward_ad._current_level >= 0
-        or torch._C._is_tracing()  # torch.jit.trace
+        or _key_included(_PRE_DISPATCH)
+        or _functorch_active()
+        or _forward_ad._current_level >= 0
+        or _jit_tracing()  # torch.jit.trace
         or torch.compiler.is_compiling()
         or _is_exporting()
     )

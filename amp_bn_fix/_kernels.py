@@ -11,8 +11,9 @@ autocast computes.
 
 * :func:`mixed_batch_norm`: half output, the native mixed kernel, no copy of the input.
 * :func:`fp32_train_batch_norm`: FP32 output in training; batch statistics reduced row by row
-  from the half input and combined in float64 (as accurate as the FP32 kernel's), then one FP32
-  pass that normalizes, and the native FP32 backward.
+  from the half input and combined in float64 (as accurate as the FP32 kernel's), then an FP32
+  copy of the input normalized in place. Only the half input is kept for backward, which
+  upcasts it again (in cache-sized chunks for large inputs).
 
 The callers run these on CPU in plain eager mode only (:func:`~amp_bn_fix._compat.plain_eager`),
 with autocast disabled and with FP32 (or absent) parameters and statistics: they write the running
@@ -27,9 +28,12 @@ from typing import Optional, Tuple
 import torch
 
 _aten = torch.ops.aten
-# Shortest (sample, channel) row for which :func:`_batch_stats` pays; shorter rows (BatchNorm1d on
-# (N, C), tiny feature maps) take the reference path, cheap at those sizes.
-_MIN_ROW = 32
+# Shortest (sample, channel) row for which the FP32 training fast path pays: :func:`_batch_stats`
+# reduces each row on its own, which for short rows (BatchNorm1d on (N, C), feature maps under
+# 16x16) costs more than the reference path's FP32 kernel does.
+_MIN_ROW = 256
+# Values per FP32 temporary in the fast path's backward (1 MiB): small enough to stay in cache.
+_CHUNK = 1 << 18
 
 
 def mixed_batch_norm(
@@ -109,19 +113,26 @@ def fp32_train_eligible(
 
 
 class _NormalizeWithBatchStats(torch.autograd.Function):
-    """``(x - mean) * invstd * weight + bias`` with ``mean``/``var`` the batch statistics of ``x``.
+    """``(x - mean) * invstd * weight + bias`` in FP32 for a half ``x``, ``mean``/``var`` its batch statistics.
 
     The statistics come in detached; the backward is the training-mode one, so the gradient flows
-    through them as it does in ``F.batch_norm``. The backward is an ATen op with its own derivative,
-    so double backward works.
+    through them as it does in ``F.batch_norm``. Only the half input is saved for backward (half
+    the bytes of an FP32 copy, and a tensor the caller holds anyway): the backward upcasts it
+    again, exactly. Large inputs are upcast a chunk at a time (:func:`_backward_in_chunks`); with
+    ``create_graph`` the backward is torch's FP32 one on the whole upcast input, ATen ops with
+    their own derivatives, so double backward works.
     """
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                 mean: torch.Tensor, var: torch.Tensor, eps: float) -> torch.Tensor:
-        # Inference mode of the FP32 kernel: one pass, fast for NCHW and channels_last alike.
-        out = torch.batch_norm(input, weight, bias, mean, var, False, 0.0, eps, False)
-        ctx.save_for_backward(input, weight, mean, torch.rsqrt(var + eps))
+        invstd = torch.rsqrt(var + eps)
+        scale = invstd if weight is None else invstd * weight
+        shift = -mean * scale if bias is None else torch.addcmul(bias, mean, scale, value=-1)
+        view = (-1,) + (1,) * (input.dim() - 2)
+        # The FP32 copy becomes the output, normalized in place: one FP32 allocation in all.
+        out = input.float().mul_(scale.view(view)).add_(shift.view(view))
+        ctx.save_for_backward(input, weight, mean, invstd)
         ctx.eps = eps
         return out
 
@@ -129,10 +140,56 @@ class _NormalizeWithBatchStats(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         input, weight, mean, invstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grad_input, grad_weight, grad_bias = _aten.native_batch_norm_backward(
-            grad, input, weight, None, None, mean, invstd, True, ctx.eps, [needs[0], needs[1], needs[2]]
+        if torch.is_grad_enabled() or input.numel() < 4 * _CHUNK:
+            # create_graph: torch's backward, whose own derivative gives the double backward. Small
+            # inputs too: their FP32 copy is small, and one pass beats two.
+            grad_input, grad_weight, grad_bias = _aten.native_batch_norm_backward(
+                grad, input.float(), weight, None, None, mean, invstd, True, ctx.eps, [needs[0], needs[1], needs[2]]
+            )
+            if grad_input is not None:
+                grad_input = grad_input.to(input.dtype)
+        else:
+            grad_input, grad_weight, grad_bias = _backward_in_chunks(grad, input, weight, mean, invstd, ctx.eps)
+        return (grad_input if needs[0] else None, grad_weight if needs[1] else None,
+                grad_bias if needs[2] else None, None, None, None)
+
+
+def _backward_in_chunks(
+    grad: torch.Tensor, input: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
+    invstd: torch.Tensor, eps: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training-mode batch-norm backward of a half ``input``, upcast a few samples at a time.
+
+    torch's FP32 backward needs a whole FP32 copy of the input next to its FP32 input gradient;
+    here each FP32 temporary covers at most ``_CHUNK`` values, so it stays in cache and the peak
+    memory stays near native autocast's. Two passes over the chunks: torch's backward computes
+    the per-channel sums of each chunk (weight and bias gradients only), then
+    ``grad_input = a * grad + b * (x - mean) + c``, torch's formula with the per-channel terms
+    gathered, is computed in place in the chunk's FP32 copy and written to the half gradient.
+    """
+    channels = input.shape[1]
+    view = (1, channels) + (1,) * (input.dim() - 2)
+    count = input.numel() // channels
+    step = max(1, _CHUNK // max(1, input[0].numel()))
+    chunks = [slice(start, start + step) for start in range(0, input.shape[0], step)]
+    grad_weight = torch.zeros_like(mean)
+    grad_bias = torch.zeros_like(mean)
+    for rows in chunks:
+        _, part_weight, part_bias = _aten.native_batch_norm_backward(
+            grad[rows], input[rows].float(), weight, None, None, mean, invstd, True, eps, [False, True, True]
         )
-        return grad_input, grad_weight, grad_bias, None, None, None
+        grad_weight += part_weight
+        grad_bias += part_bias
+    scale = invstd if weight is None else invstd * weight
+    a = scale.view(view)
+    b = (-scale * invstd * grad_weight / count).view(view)
+    c = (-scale * grad_bias / count).view(view)
+    mean_view = mean.view(view)
+    grad_input = torch.empty_like(input)
+    for rows in chunks:
+        # Centred first, as torch does: b * x + (c - b * mean) would cancel for a large mean.
+        grad_input[rows] = input[rows].float().sub_(mean_view).mul_(b).add_(c).addcmul_(grad[rows], a)
+    return grad_input, grad_weight, grad_bias
 
 
 def _batch_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -175,4 +232,4 @@ def fp32_train_batch_norm(
         # Through ``.data``, like the native kernels' update: no autograd version bump.
         running_mean.data.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
         running_var.data.copy_(running_var.double() * (1 - momentum) + var * (momentum * count / (count - 1)))
-    return _NormalizeWithBatchStats.apply(input.float(), weight, bias, mean.float(), var.float(), eps)
+    return _NormalizeWithBatchStats.apply(input, weight, bias, mean.float(), var.float(), eps)

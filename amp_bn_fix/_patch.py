@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import inspect
 import logging
 import operator
 import sys
 import threading
+import types
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -83,6 +85,16 @@ class ShimWrapper(wrapt.FunctionWrapper):
     """
 
     _amp_bn_fix_wrapper = True
+
+    def __init__(self, wrapped: Any, wrapper: Any, module_attribute: bool = False) -> None:
+        if not module_attribute or not inspect.isfunction(wrapped):
+            super().__init__(wrapped, wrapper)
+            return
+        # wrapt binds a plain function as "function", and then every call looks up ``__self__`` on
+        # it (an AttributeError raised and cleared: half of the wrapper's cost). A module's function
+        # is never bound to an instance, so it is given the "staticmethod" binding, whose calls go
+        # straight to the wrapper.
+        super(wrapt.FunctionWrapper, self).__init__(wrapped, None, wrapper, None, "staticmethod")
 
     def __copy__(self) -> "ShimWrapper":
         return self
@@ -307,7 +319,7 @@ def install() -> bool:
             if (owner, name) not in _handles:
                 for stale in _ours(owner, name):
                     wrapt.unwrap_object(owner, name, stale)
-                _handles[owner, name] = wrapt.wrap_object(owner, name, ShimWrapper, (wrapper,))
+                _handles[owner, name] = wrapt.wrap_object(owner, name, ShimWrapper, (wrapper, isinstance(owner, types.ModuleType)))
                 applied = True
         if applied:
             log.debug("patched torch.nn.functional.batch_norm (policy %s)", _config.policy)

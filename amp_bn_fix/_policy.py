@@ -14,6 +14,7 @@ from . import _kernels
 from ._compat import autocast_disabled, autocast_dtype, autocast_enabled, has_internal_overlap, plain_eager
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+_INF = float("inf")
 _aten = torch.ops.aten
 
 
@@ -139,6 +140,37 @@ def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], 
             (stat.data if eager else stat).copy_(value)
 
 
+def _stackable(running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor]) -> bool:
+    """Whether the two stats can share one FP32 working tensor (a mismatch is torch's to report)."""
+    return (
+        running_mean is not None
+        and running_var is not None
+        and running_mean.dtype is torch.float32
+        and running_var.dtype is torch.float32
+        and running_mean.shape == running_var.shape
+        and running_mean.device == running_var.device
+    )
+
+
+@torch.no_grad()
+def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Tensor, eager: bool) -> None:
+    """Write ``work`` (the two updated stats, stacked) into ``stats`` only if it is all finite.
+
+    A device-side select, no host sync; the old values are selected bit for bit, so a non-finite
+    batch leaves the stats exactly as they were. One check over both stats (``amax`` propagates
+    NaN, and the largest magnitude is finite only if every value is: fewer kernels than
+    ``isfinite``, itself four, and ``all``), and one select per stat writing in place. In plain
+    eager mode the select writes through ``.data`` (see :func:`_write_back`); elsewhere it is a
+    select and an ordinary copy, which tracers record.
+    """
+    finite = work.abs().amax() < _INF
+    for stat, value in zip(stats, work):
+        if eager:
+            torch.where(finite, value, stat.data, out=stat.data)
+        else:
+            stat.copy_(torch.where(finite, value, stat))
+
+
 def with_working_stats(
     running_mean: Optional[torch.Tensor],
     running_var: Optional[torch.Tensor],
@@ -154,6 +186,12 @@ def with_working_stats(
     guard skips when the new statistics are not finite. ``eager``: the call runs in plain eager
     mode (see :func:`_write_back`).
     """
+    if updates and guard and _stackable(running_mean, running_var):
+        # The guard's common case, FP32 stats: one copy of both, updated by ``compute``.
+        work = torch.stack((running_mean.detach(), running_var.detach()))  # type: ignore[union-attr]
+        out = compute(work[0], work[1])
+        _guarded_write_back((running_mean, running_var), work, eager)  # type: ignore[arg-type]
+        return out
     work_mean = _working_stat(running_mean, updates, guard)
     work_var = _working_stat(running_var, updates, guard)
     out = compute(work_mean, work_var)

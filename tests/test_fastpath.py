@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_bn_fix
-from amp_bn_fix import _config, _patch
+from amp_bn_fix import _config, _kernels, _patch
 
 ORIGINAL = F.batch_norm.__wrapped__
 HALF = [torch.float16, torch.bfloat16]
@@ -182,7 +182,8 @@ def check_case(case: Case, policy: str, autocast_dtype: Optional[torch.dtype], f
 SHAPES = {
     "bn1d-2d": (32, CHANNELS),
     "bn1d-3d": (8, CHANNELS, 7),
-    "bn2d": (4, CHANNELS, 6, 6),  # rows of 36 values: the FP32 training fast path
+    "bn2d": (4, CHANNELS, 16, 16),  # rows of 256 values: the FP32 training fast path
+    "bn2d-short-rows": (4, CHANNELS, 6, 6),  # rows of 36 values: the reference path
     "bn2d-1x1": (16, CHANNELS, 1, 1),  # contiguous and channels_last at once
     "bn3d": (2, CHANNELS, 3, 4, 4),
 }
@@ -299,6 +300,42 @@ def test_fp32_policy_training_takes_its_statistics_from_the_half_input(dtype):
     assert trained == []
     stats_from = [inputs[0][0] for op, inputs, _ in log.ops if op == "batch_norm_update_stats"]
     assert stats_from == [PROFILED[dtype]]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("rank", [3, 4, 5])
+def test_fp32_policy_training_saves_only_the_half_input_for_backward(dtype, rank):
+    # An FP32 copy of the input would double what is held from forward to backward.
+    shape = {3: (4, CHANNELS, 256), 4: SHAPES["bn2d"], 5: (2, CHANNELS, 4, 8, 8)}[rank]
+    case = make_case(shape, dtype, "contiguous", True, affine=True, stats=True)
+    saved = []
+    with OpLog() as log, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=dtype):
+            out = F.batch_norm(case.x, case.running_mean, case.running_var, case.weight, case.bias, True)
+    assert [op for op, _, _ in log.ops if op == "batch_norm_update_stats"]  # the fast path ran
+    large = [t for t in saved if t.numel() == case.x.numel()]
+    assert large and all(t.dtype is dtype for t in large)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    assert case.x.grad.dtype is dtype and torch.isfinite(case.x.grad).all()
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("shape", [(9, CHANNELS, 256), (9, CHANNELS, 16, 16), (9, CHANNELS, 4, 8, 8)], ids=["1d", "2d", "3d"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("mean", [0.0, 300.0], ids=["centred", "large-mean"])
+def test_fp32_policy_chunked_backward_matches_the_references(monkeypatch, dtype, shape, affine, mean):
+    # Chunks of 2 samples out of 9 (the last one shorter): the backward of large inputs, made small.
+    monkeypatch.setattr(_kernels, "_CHUNK", 2 * math.prod(shape[1:]))
+    calls = []
+    chunked = _kernels._backward_in_chunks
+    monkeypatch.setattr(_kernels, "_backward_in_chunks", lambda *args: calls.append(1) or chunked(*args))
+    case = make_case(shape, dtype, "contiguous", True, affine=affine, stats=True)
+    if mean:
+        # As in the large-mean test above: the FP32 computation's own error is about 1e-4 here.
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 0.5 + mean
+        case.x = x.to(dtype).requires_grad_()
+    check_case(case, "fp32", autocast_dtype=dtype, fp32_rtol=1e-4 if mean else 2e-6)
+    assert calls
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)

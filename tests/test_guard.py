@@ -1,5 +1,6 @@
 """The guard: a training step with non-finite batch statistics leaves the running stats untouched."""
 
+import contextlib
 import copy
 
 import pytest
@@ -261,3 +262,32 @@ def test_guard_never_synchronizes_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(bn.running_mean).all()
+
+
+class _PassThroughMode(torch.overrides.TorchFunctionMode):
+    """Any TorchFunctionMode takes calls out of plain eager mode: the reference path, plain copies."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "traced-like"])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("policy", ["fp32", "input", "autocast"])
+@pytest.mark.parametrize("bad", BAD)
+def test_stats_are_bit_for_bit_those_of_a_run_that_never_saw_the_bad_batch(policy, layout, eager, bad):
+    # 16x16 feature maps: long enough rows for every fast path (FP32 training kernel, mixed kernel).
+    amp_bn_fix.set_policy(policy)
+    generator = torch.Generator().manual_seed(7)
+    batches = [(2 + 3 * torch.randn(4, C, 16, 16, generator=generator)).bfloat16() for _ in range(3)]
+    poisoned = batches[1].clone()
+    poisoned[1, 2, 3, 4] = bad
+    runs = {}
+    for name, sequence in (("with", [batches[0], poisoned, batches[2]]), ("without", [batches[0], batches[2]])):
+        bn = nn.BatchNorm2d(C).to(memory_format=layout)
+        with torch.autocast("cpu", dtype=torch.bfloat16), (contextlib.nullcontext() if eager else _PassThroughMode()):
+            for x in sequence:
+                bn(x.contiguous(memory_format=layout).requires_grad_()).sum().backward()
+        runs[name] = _stats(bn)
+    assert torch.equal(runs["with"][0], runs["without"][0]) and torch.equal(runs["with"][1], runs["without"][1])
+    assert runs["with"][0].dtype is torch.float32
