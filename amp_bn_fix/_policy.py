@@ -153,22 +153,18 @@ def _stackable(running_mean: Optional[torch.Tensor], running_var: Optional[torch
 
 
 @torch.no_grad()
-def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Tensor, eager: bool) -> None:
+def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Tensor) -> None:
     """Write ``work`` (the two updated stats, stacked) into ``stats`` only if it is all finite.
 
     A device-side select, no host sync; the old values are selected bit for bit, so a non-finite
     batch leaves the stats exactly as they were. One check over both stats (``amax`` propagates
     NaN, and the largest magnitude is finite only if every value is: fewer kernels than
-    ``isfinite``, itself four, and ``all``), and one select per stat writing in place. In plain
-    eager mode the select writes through ``.data`` (see :func:`_write_back`); elsewhere it is a
-    select and an ordinary copy, which tracers record.
+    ``isfinite``, itself four, and ``all``), and one select per stat writing in place through
+    ``.data`` (plain eager mode only, see :func:`_write_back`).
     """
     finite = work.abs().amax() < _INF
     for stat, value in zip(stats, work):
-        if eager:
-            torch.where(finite, value, stat.data, out=stat.data)
-        else:
-            stat.copy_(torch.where(finite, value, stat))
+        torch.where(finite, value, stat.data, out=stat.data)
 
 
 def with_working_stats(
@@ -186,11 +182,12 @@ def with_working_stats(
     guard skips when the new statistics are not finite. ``eager``: the call runs in plain eager
     mode (see :func:`_write_back`).
     """
-    if updates and guard and _stackable(running_mean, running_var):
-        # The guard's common case, FP32 stats: one copy of both, updated by ``compute``.
+    if updates and guard and eager and _stackable(running_mean, running_var):
+        # The guard's common case, FP32 stats: one copy of both, updated by ``compute``. Plain eager
+        # only: under torch.func transforms a kernel's update of a view of the stack is not seen.
         work = torch.stack((running_mean.detach(), running_var.detach()))  # type: ignore[union-attr]
         out = compute(work[0], work[1])
-        _guarded_write_back((running_mean, running_var), work, eager)  # type: ignore[arg-type]
+        _guarded_write_back((running_mean, running_var), work)  # type: ignore[arg-type]
         return out
     work_mean = _working_stat(running_mean, updates, guard)
     work_var = _working_stat(running_var, updates, guard)
