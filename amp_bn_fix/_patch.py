@@ -231,7 +231,7 @@ def _scope_policy() -> Optional[str]:
 def _call_policy(config: Config) -> str:
     """The policy for one handled call; recorded when torch.compile traces the call."""
     policy = _scope_policy() or config.policy
-    if torch.compiler.is_compiling():
+    if _compat.is_compiling():
         _compiled_policies.add(policy)
     return policy
 

@@ -266,11 +266,21 @@ class OpLog:
 
     def __exit__(self, *exc_info):
         self._profile.__exit__(*exc_info)
-        self.ops = [
-            (event.name.removeprefix("aten::"),
-             [(dtype, math.prod(shape)) for dtype, shape in zip(event.input_dtypes, event.input_shapes) if shape],
-             event.concrete_inputs)
+        events = [
+            (event.name, getattr(event, "input_dtypes", None), event.input_shapes, event.concrete_inputs)
             for event in self._profile.function_events
+        ]
+        if any(dtypes is None for _, dtypes, _, _ in events):
+            # torch 2.8 and older keep the dtypes only in the profiler's kineto events.
+            events = [
+                (event.name(), event.dtypes(), event.shapes(), event.concrete_inputs())
+                for event in self._profile.kineto_results.events()
+            ]
+        self.ops = [
+            (name.removeprefix("aten::"),
+             [(dtype, math.prod(shape)) for dtype, shape in zip(dtypes, shapes) if shape],
+             concrete)
+            for name, dtypes, shapes, concrete in events
         ]
 
 

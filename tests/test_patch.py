@@ -529,6 +529,12 @@ def test_on_disk_compile_caches_do_not_mix_runs_with_and_without_the_shim(tmp_pa
         assert float(diff) <= 0.02, extra
 
 
+@pytest.mark.skipif(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 5),
+    reason="torch 2.4's export cannot handle torch.autocast inside forward, with or without the shim: "
+    "strict export fails its own verifier (Node.meta _enter_autocast is missing val field), non-strict "
+    "export does not apply the block",
+)
 def test_torch_export():
     class Net(nn.Module):
         def __init__(self):
@@ -541,7 +547,9 @@ def test_torch_export():
 
     x = torch.randn(8, 4)
     model = Net().eval()
-    program = torch.export.export(model, (x,))
+    # Non-strict, as torch 2.13 defaults to: strict export (older torch's default) records the block
+    # without running it, and the shim raises then (README, Compatibility).
+    program = torch.export.export(model, (x,), strict=False)
     out = program.module()(x)
     assert out.dtype is torch.float32
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
