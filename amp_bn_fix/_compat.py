@@ -19,7 +19,11 @@ _PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
 # True only in code dynamo is tracing (not while it runs a traced call on fake tensors).
 is_dynamo_tracing = torch.compiler.is_dynamo_compiling
 # torch.compiler.config.cache_key_tag (torch 2.6+) goes into inductor's and AOTAutograd's cache keys.
-_compiler_config = getattr(torch.compiler, "config", None)
+# Imported by name: torch 2.6 does not import the submodule with torch.
+try:
+    import torch.compiler.config as _compiler_config
+except ImportError:  # torch < 2.6
+    _compiler_config = None
 _TAG_SEPARATOR = "|amp_bn_fix:"
 
 
