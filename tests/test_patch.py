@@ -547,7 +547,7 @@ def test_torch_export():
 
     x = torch.randn(8, 4)
     model = Net().eval()
-    # Non-strict, as torch 2.13 defaults to: strict export (older torch's default) records the block
+    # Non-strict, the default from torch 2.8: strict export (the default up to 2.6) records the block
     # without running it, and the shim raises then (README, Compatibility).
     program = torch.export.export(model, (x,), strict=False)
     out = program.module()(x)

@@ -19,8 +19,8 @@ if [[ $# -ge 1 ]]; then [[ $1 == -- ]] || usage; shift; fi
 pytest_args=("$@")
 [[ ${#pytest_args[@]} -gt 0 ]] || pytest_args=(-q)
 
-root=$(cd "$(dirname "$0")/.." && pwd)
-venv=$(mkdir -p "$venv" && cd "$venv" && pwd)
+root=$(realpath "$(dirname "$0")/..")
+venv=$(realpath -m "$venv")
 case "$venv/" in
     "$root"/*) echo "VENV_DIR must be outside the clone ($root)" >&2; exit 2 ;;
 esac
