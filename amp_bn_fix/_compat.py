@@ -6,6 +6,7 @@ import contextlib
 from typing import ContextManager, Optional
 
 import torch
+import torch._guards
 import torch.autograd.forward_ad
 from torch.overrides import has_torch_function_variadic
 
@@ -25,7 +26,11 @@ _jit_tracing = torch._C._is_tracing
 # True only in code dynamo is tracing (not while it runs a traced call on fake tensors).
 is_dynamo_tracing = torch.compiler.is_dynamo_compiling
 # torch.compiler.config.cache_key_tag (torch 2.6+) goes into inductor's and AOTAutograd's cache keys.
-_compiler_config = getattr(torch.compiler, "config", None)
+# Imported by name: torch 2.6 does not import the submodule with torch.
+try:
+    import torch.compiler.config as _compiler_config
+except ImportError:  # torch < 2.6
+    _compiler_config = None
 _TAG_SEPARATOR = "|amp_bn_fix:"
 
 
@@ -74,6 +79,16 @@ def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
         or torch.compiler.is_compiling()
         or _is_exporting()
     )
+
+
+def is_compiling() -> bool:
+    """Whether torch.compile is tracing this call, in dynamo or in the backend that compiles its graph.
+
+    Up to torch 2.6 at least, dynamo puts the patched ``F.batch_norm`` into its graph as torch's own
+    function (the wrapper compares equal to it): the wrapper first runs when AOTAutograd traces that
+    graph, where ``torch.compiler.is_compiling()`` is False but a tracing context is set.
+    """
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:

@@ -244,7 +244,7 @@ def _call_policy(config: Config) -> str:
     """The policy for one handled call; recorded when torch.compile traces the call."""
     policy = _scope_policy() or config.policy
     # Strict torch.export traces with dynamo too, but keeps no compiled code a scope could miss.
-    if torch.compiler.is_compiling() and not _compat.is_exporting():
+    if _compat.is_compiling() and not _compat.is_exporting():
         _compiled_policies.add(policy)
     return policy
 

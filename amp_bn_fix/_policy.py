@@ -148,6 +148,7 @@ def _stackable(running_mean: Optional[torch.Tensor], running_var: Optional[torch
         and running_mean.dtype is torch.float32
         and running_var.dtype is torch.float32
         and running_mean.shape == running_var.shape
+        and running_mean.numel() > 0  # amax has no identity for zero channels
         and running_mean.device == running_var.device
     )
 

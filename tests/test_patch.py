@@ -310,15 +310,25 @@ def test_empty_batch_under_autocast():
     ],
 )
 def test_errors_are_the_originals(args, kwargs):
+    amp_bn_fix.disable()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ORIGINAL(*[a.float() if i == 0 else a for i, a in enumerate(args)], **kwargs)
+    except Exception as error:
+        theirs = error
+    else:
+        theirs = None
+    amp_bn_fix.enable()
+    if theirs is None:
+        # torch 2.4 to 2.8 accept eps <= 0: the shim must accept it too.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            F.batch_norm(*args, **kwargs)
+        return
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(Exception) as ours:
             F.batch_norm(*args, **kwargs)
-    amp_bn_fix.disable()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(Exception) as theirs:
-            ORIGINAL(*[a.float() if i == 0 else a for i, a in enumerate(args)], **kwargs)
-    assert type(ours.value) is type(theirs.value)
-    assert str(ours.value) == str(theirs.value)
+    assert type(ours.value) is type(theirs)
+    assert str(ours.value) == str(theirs)
 
 
 # --- re-entrancy -----------------------------------------------------------------------------
@@ -525,6 +535,12 @@ def test_on_disk_compile_caches_do_not_mix_runs_with_and_without_the_shim(tmp_pa
         assert float(diff) <= 0.02, extra
 
 
+@pytest.mark.skipif(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 5),
+    reason="torch 2.4's export cannot handle torch.autocast inside forward, with or without the shim: "
+    "strict export fails its own verifier (Node.meta _enter_autocast is missing val field), non-strict "
+    "export does not apply the block",
+)
 def test_torch_export():
     class Net(nn.Module):
         def __init__(self):
@@ -537,7 +553,9 @@ def test_torch_export():
 
     x = torch.randn(8, 4)
     model = Net().eval()
-    program = torch.export.export(model, (x,))
+    # Non-strict, the default from torch 2.8: strict export (the default up to 2.6) records the block
+    # without running it, and the shim raises then (README, Compatibility).
+    program = torch.export.export(model, (x,), strict=False)
     out = program.module()(x)
     assert out.dtype is torch.float32
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)

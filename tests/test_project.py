@@ -45,6 +45,19 @@ def test_ci_runs_the_readme_quick_start_verbatim():
     assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()  # a failing command fails CI
 
 
+def test_ci_runs_the_suite_on_the_oldest_supported_torch():
+    (floor,) = re.findall(r"^torch>=([\d.]+)$", setup_cfg()["options"]["install_requires"], flags=re.M)
+    (version,) = re.findall(r"^tools/test_on_torch\.sh (\S+)", (ROOT / ".ci" / "run").read_text(), flags=re.M)
+    assert version.startswith(floor + ".")
+
+
+def test_the_torch_version_script_keeps_its_environment_outside_the_clone():
+    script = ROOT / "tools" / "test_on_torch.sh"
+    result = subprocess.run([str(script), "2.4.1", str(ROOT / "venv")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "outside the clone" in result.stderr
+    assert not (ROOT / "venv").exists()
+
+
 def test_the_quick_start_clones_the_project_url_and_has_a_quick_loop():
     lines = quick_start_lines()
     (clone,) = [line for line in lines if line.startswith("git clone")]
