@@ -14,7 +14,7 @@ from torch.overrides import has_torch_function_variadic
 # are deprecated and not supported.
 _is_autocast_available = torch.amp.is_autocast_available
 # torch.compiler.is_exporting exists from torch 2.6; strict export is also "compiling" before that.
-_is_exporting = is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _has_torch_function = has_torch_function_variadic
@@ -77,7 +77,7 @@ def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
         or _forward_ad._current_level >= 0
         or _jit_tracing()  # torch.jit.trace
         or torch.compiler.is_compiling()
-        or _is_exporting()
+        or is_exporting()
     )
 
 
