@@ -99,9 +99,9 @@ def output_dtype(policy: str, call: BatchNormCall) -> Optional[torch.dtype]:
 def to_fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     # A differentiable cast: gradients flow back to the original tensor in its own dtype. As a
     # copy op, unlike ``t.float()``: torch.export pins the input dtype of ``.to`` calls, which
-    # would stop an exported program from running without autocast.
-    # Non-float tensors are left for the kernel to reject with torch's own error.
-    if t is None or t.dtype is torch.float32 or not t.is_floating_point():
+    # would stop an exported program from running without autocast. (Non-float tensors never get
+    # here: ``_torch_decides`` leaves those calls to torch.)
+    if t is None or t.dtype is torch.float32:
         return t
     return _aten._to_copy(t, dtype=torch.float32)
 
@@ -113,8 +113,8 @@ def _working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> O
     it is ``stat`` itself when that is already FP32 and needs no protection, so module buffers see
     the update directly; otherwise an FP32 copy that is written back afterwards.
     """
-    if stat is None or not stat.is_floating_point():
-        return stat  # a non-float stat is left for the kernel to reject with torch's own error
+    if stat is None:
+        return stat
     if not updates:
         return to_fp32(stat)
     if stat.dtype is torch.float32 and not guard:
