@@ -6,6 +6,7 @@ Device-agnostic and stateless. The runtime (``_patch``) passes in the original
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -153,19 +154,26 @@ def _stackable(running_mean: Optional[torch.Tensor], running_var: Optional[torch
     )
 
 
-@torch.no_grad()
-def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Tensor) -> None:
+def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Tensor, on_host: bool) -> None:
     """Write ``work`` (the two updated stats, stacked) into ``stats`` only if it is all finite.
 
-    A device-side select, no host sync; the old values are selected bit for bit, so a non-finite
-    batch leaves the stats exactly as they were. One check over both stats (``amax`` propagates
-    NaN, and the largest magnitude is finite only if every value is: fewer kernels than
-    ``isfinite``, itself four, and ``all``), and one select per stat writing in place through
-    ``.data`` (plain eager mode only, see :func:`_write_back`).
+    The old values stay bit for bit, so a non-finite batch leaves the stats exactly as they were.
+    Writes go through ``.data`` (plain eager mode only, see :func:`_write_back`); ``work`` never
+    requires grad. ``on_host`` (CPU, where reading a value costs no device sync): one ``aminmax``
+    (which propagates NaN) decides and the stats are copied only when every value is finite, the
+    fewest kernels. Otherwise the decision stays on the device (no host sync): one check over both stats
+    (``amax`` propagates NaN, and the largest magnitude is finite only if every value is) and one
+    in-place select per stat.
     """
+    if on_host:
+        low, high = torch.aminmax(work)
+        if math.isfinite(low.item()) and math.isfinite(high.item()):
+            stats[0].data.copy_(work[0])
+            stats[1].data.copy_(work[1])
+        return
     finite = work.abs().amax() < _INF
-    for stat, value in zip(stats, work):
-        torch.where(finite, value, stat.data, out=stat.data)
+    torch.where(finite, work[0], stats[0].data, out=stats[0].data)
+    torch.where(finite, work[1], stats[1].data, out=stats[1].data)
 
 
 def with_working_stats(
@@ -188,7 +196,7 @@ def with_working_stats(
         # only: under torch.func transforms a kernel's update of a view of the stack is not seen.
         work = torch.stack((running_mean.detach(), running_var.detach()))  # type: ignore[union-attr]
         out = compute(work[0], work[1])
-        _guarded_write_back((running_mean, running_var), work)  # type: ignore[arg-type]
+        _guarded_write_back((running_mean, running_var), work, work.is_cpu)  # type: ignore[arg-type]
         return out
     work_mean = _working_stat(running_mean, updates, guard)
     work_var = _working_stat(running_var, updates, guard)

@@ -312,6 +312,51 @@ def test_fp32_policy_training_takes_its_statistics_from_the_half_input(dtype):
     assert stats_from == [PROFILED[dtype]]
 
 
+# The real size threshold (the tests' conftest lowers it to 0 for their small inputs), read at
+# collection, before any fixture runs.
+REAL_MIN_VALUES = _kernels._MIN_VALUES
+
+
+@pytest.mark.parametrize(
+    "shape, fast",
+    [
+        ((168, 16, 14, 14), True),  # rows of 196, 526848 values
+        ((2, 4, 256, 256), True),  # exactly 2**19 values
+        ((4, 4, 128, 128), False),  # long rows, 262144 values: the fixed cost does not pay
+        ((256, 16, 12, 12), False),  # 589824 values in rows of 144
+        ((64, 4, 2062), False),  # rows of 2 x 1031 values: no pieces of 192 to 1024 values
+    ],
+)
+def test_fp32_policy_training_fast_path_starts_where_it_pays(monkeypatch, shape, fast):
+    monkeypatch.setattr(_kernels, "_MIN_VALUES", REAL_MIN_VALUES)
+    x = torch.randn(shape).bfloat16()
+    running_mean, running_var = torch.zeros(shape[1]), torch.ones(shape[1])
+    with OpLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.batch_norm(x, running_mean, running_var, training=True)
+    assert out.dtype is torch.float32
+    assert any(op == "batch_norm_update_stats" for op, _, _ in log.ops) is fast
+    ref = ORIGINAL(x.double(), torch.zeros(shape[1], dtype=torch.float64), torch.ones(shape[1], dtype=torch.float64),
+                   training=True)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("length", [1024, 3136, 65536])
+def test_fp32_policy_long_rows_keep_fp32_accuracy(dtype, length):
+    # A float accumulation over whole rows of 65536 values around a mean of 3 is off by 2e-6
+    # (relative, output); the FP32 kernel's error, and the fast path's with rows split, is ~1e-7.
+    x = (torch.randn(2, CHANNELS, length, generator=torch.Generator().manual_seed(5)) + 3).to(dtype)
+    running_mean, running_var = torch.zeros(CHANNELS), torch.ones(CHANNELS)
+    with OpLog() as log, torch.autocast("cpu", dtype=dtype):
+        out = F.batch_norm(x, running_mean, running_var, training=True)
+    assert [op for op, _, _ in log.ops if op == "batch_norm_update_stats"]  # the fast path ran
+    mean64, var64 = torch.zeros(CHANNELS, dtype=torch.float64), torch.ones(CHANNELS, dtype=torch.float64)
+    ref = ORIGINAL(x.double(), mean64, var64, training=True)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 4e-7
+    assert ((running_var.double() - var64).abs() / var64).max().item() < 4e-7
+    assert ((running_mean.double() - mean64).abs() / mean64).max().item() < 4e-7
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("rank", [3, 4, 5])
 def test_fp32_policy_training_saves_only_the_half_input_for_backward(dtype, rank):
@@ -333,8 +378,9 @@ def test_fp32_policy_training_saves_only_the_half_input_for_backward(dtype, rank
 @pytest.mark.parametrize("shape", [(9, CHANNELS, 256), (9, CHANNELS, 16, 16), (9, CHANNELS, 4, 8, 8)], ids=["1d", "2d", "3d"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 @pytest.mark.parametrize("mean", [0.0, 300.0], ids=["centred", "large-mean"])
-def test_fp32_policy_chunked_backward_matches_the_references(monkeypatch, dtype, shape, affine, mean):
-    # Chunks of 2 samples out of 9 (the last one shorter): the backward of large inputs, made small.
+def test_fp32_policy_chunked_forward_and_backward_match_the_references(monkeypatch, dtype, shape, affine, mean):
+    # Chunks of 2 samples out of 9 (the last one shorter): the forward and backward of large
+    # inputs, made small.
     monkeypatch.setattr(_kernels, "_CHUNK", 2 * math.prod(shape[1:]))
     calls = []
     chunked = _kernels._backward_in_chunks

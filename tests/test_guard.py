@@ -291,3 +291,21 @@ def test_stats_are_bit_for_bit_those_of_a_run_that_never_saw_the_bad_batch(polic
         runs[name] = _stats(bn)
     assert torch.equal(runs["with"][0], runs["without"][0]) and torch.equal(runs["with"][1], runs["without"][1])
     assert runs["with"][0].dtype is torch.float32
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host-check", "device-check"])
+@pytest.mark.parametrize("bad", [None, *BAD])
+@pytest.mark.parametrize("where", [0, 1], ids=["mean", "var"])
+def test_write_back_takes_all_or_nothing(on_host, bad, where):
+    # Both decisions (the CPU's host check, the device-side select used elsewhere), on CPU tensors.
+    from amp_bn_fix import _policy
+
+    old = (torch.randn(C), torch.rand(C) + 0.5)
+    stats = tuple(t.clone() for t in old)
+    # Finite values near float32's limits must still be written (no overflow in the check).
+    work = torch.stack((torch.full((C,), -3e38), torch.full((C,), 3e38)))
+    if bad is not None:
+        work[where, 3] = bad
+    _policy._guarded_write_back(stats, work, on_host)
+    expected = old if bad is not None else tuple(work)
+    assert all(torch.equal(s, e) for s, e in zip(stats, expected))
