@@ -185,11 +185,18 @@ def _backward_in_chunks(
     view = (1, channels) + (1,) * (input.dim() - 2)
     count = input.numel() // channels
     chunks = _chunks(input)
+    # One FP32 scratch chunk for every upcast: no allocation (and page faults) per chunk.
+    scratch = torch.empty(input[chunks[0]].shape, dtype=torch.float32, device=input.device)
+
+    def upcast(rows: slice) -> torch.Tensor:
+        part = input[rows]
+        return scratch[: part.shape[0]].copy_(part)
+
     grad_weight = torch.zeros_like(mean)
     grad_bias = torch.zeros_like(mean)
     for rows in chunks:
         _, part_weight, part_bias = _aten.native_batch_norm_backward(
-            grad[rows], input[rows].float(), weight, None, None, mean, invstd, True, eps, [False, True, True]
+            grad[rows], upcast(rows), weight, None, None, mean, invstd, True, eps, [False, True, True]
         )
         grad_weight += part_weight
         grad_bias += part_bias
@@ -201,7 +208,7 @@ def _backward_in_chunks(
     grad_input = torch.empty_like(input)
     for rows in chunks:
         # Centred first, as torch does: b * x + (c - b * mean) would cancel for a large mean.
-        grad_input[rows] = input[rows].float().sub_(mean_view).mul_(b).add_(c).addcmul_(grad[rows], a)
+        grad_input[rows] = upcast(rows).sub_(mean_view).mul_(b).add_(c).addcmul_(grad[rows], a)
     return grad_input, grad_weight, grad_bias
 
 
