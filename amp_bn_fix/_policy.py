@@ -161,9 +161,9 @@ def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Te
     Writes go through ``.data`` (plain eager mode only, see :func:`_write_back`); ``work`` never
     requires grad. ``on_host`` (CPU, where reading a value costs no device sync): one ``aminmax``
     (which propagates NaN) decides and the stats are copied only when every value is finite, the
-    fewest kernels. Otherwise the decision stays on the device (no host sync): one check over both stats
-    (``amax`` propagates NaN, and the largest magnitude is finite only if every value is) and one
-    in-place select per stat.
+    fewest kernels. Otherwise the decision stays on the device (no host sync): one check over both
+    stats (``amax`` propagates NaN, and the largest magnitude is finite only if every value is)
+    and one in-place select per stat.
     """
     if on_host:
         low, high = torch.aminmax(work)
