@@ -183,7 +183,7 @@ SHAPES = {
     "bn1d-2d": (32, CHANNELS),
     "bn1d-3d": (8, CHANNELS, 7),
     "bn2d": (4, CHANNELS, 16, 16),  # rows of 256 values: the FP32 training fast path
-    "bn2d-short-rows": (4, CHANNELS, 6, 6),  # rows of 36 values: the reference path
+    "bn2d-short-rows": (4, CHANNELS, 3, 3),  # rows of 9 values: the reference path
     "bn2d-1x1": (16, CHANNELS, 1, 1),  # contiguous and channels_last at once
     "bn3d": (2, CHANNELS, 3, 4, 4),
 }
@@ -320,11 +320,13 @@ REAL_MIN_VALUES = _kernels._MIN_VALUES
 @pytest.mark.parametrize(
     "shape, fast",
     [
-        ((168, 16, 14, 14), True),  # rows of 196, 526848 values
-        ((2, 4, 256, 256), True),  # exactly 2**19 values
+        ((168, 16, 14, 14), True),  # rows of 196 (parts of 4 samples), 526848 values
+        ((2, 4, 256, 256), True),  # exactly 2**19 values, rows in pieces of 1024
+        ((256, 16, 12, 12), True),  # rows of 144
+        ((512, 32, 6, 6), True),  # rows of 36 (parts of 16 samples)
         ((4, 4, 128, 128), False),  # long rows, 262144 values: the fixed cost does not pay
-        ((256, 16, 12, 12), False),  # 589824 values in rows of 144
-        ((64, 4, 2062), False),  # rows of 2 x 1031 values: no pieces of 192 to 1024 values
+        ((1024, 64, 3, 3), False),  # 589824 values in rows of 9
+        ((64, 4, 2062), False),  # rows of 2 x 1031 values: no pieces of 32 to 1024 values
     ],
 )
 def test_fp32_policy_training_fast_path_starts_where_it_pays(monkeypatch, shape, fast):
