@@ -13,7 +13,7 @@ autocast computes.
 * :func:`fp32_train_batch_norm`: FP32 output in training; batch statistics reduced row by row
   from the half input and combined in float64 (as accurate as the FP32 kernel's), then the
   input upcast into the FP32 output and normalized there, in cache-sized chunks. Only the half
-  input is kept for backward, which upcasts it again (in chunks too for large inputs).
+  input is kept for backward, which upcasts it again, in chunks too.
 
 The callers run these on CPU in plain eager mode only (:func:`~amp_bn_fix._compat.plain_eager`),
 with autocast disabled and with FP32 (or absent) parameters and statistics: they write the running
@@ -29,13 +29,15 @@ from typing import List, Optional, Tuple
 import torch
 
 _aten = torch.ops.aten
-# Where the FP32 training fast path pays: its dozen small ops only pay back on inputs of half a
-# million values or more, and :func:`_batch_stats` needs rows (one sample, one channel) of at
-# least 32 values to be quick. Measured fwd+bwd, fast / reference: (32,256,14,14) 0.66,
-# (64,64,12,12) 0.79, (64,240,6,6) 0.81, (32,512,7,7) 0.91; (8,256,14,14) 0.98, (4,256,14,14) 1.09,
-# (8,96,12,12) 1.38, (128,576,3,3) 1.19.
+# Where the FP32 training fast path pays: its dozen small ops pay back on inputs of a quarter of a
+# million values with at least 1536 per channel, and :func:`_batch_stats` needs rows (one sample,
+# one channel) of at least 32 values to be quick. Measured fwd+bwd, fast / reference:
+# (32,256,14,14) 0.66, (32,512,7,7) 0.77, (8,96,24,24) 0.80, (64,240,6,6) 0.81,
+# (8,16,48,48) 0.87, (8,256,14,14) 0.89; but (8,240,12,12) 1.20 (1152 per channel),
+# (4,256,14,14) 1.19 and (8,8,48,48) 1.26 (small inputs), (128,576,3,3) 1.19 (rows of 9).
 _MIN_ROW = 32
-_MIN_VALUES = 1 << 19
+_MIN_VALUES = 1 << 18
+_MIN_PER_CHANNEL = 1536
 # Longest piece of a row reduced in float: longer rows are split into equal pieces of at most this
 # many values. The error of a float accumulation grows with its length (rows of 65536 values around
 # a mean of 3: 2e-6 relative in the output, against 1e-7 for the FP32 kernel; 1024: 1.7e-7).
@@ -111,7 +113,7 @@ def fp32_train_eligible(
     if len(shape) < 2 or not input.is_contiguous() or not eps > 0.0 or (running_mean is None) is not (running_var is None):
         return False
     values = input.numel() // shape[1] if shape[1] else 0
-    if values < 2 or input.numel() < _MIN_VALUES or _row_pieces(values // shape[0]) is None:
+    if values < 2 or values < _MIN_PER_CHANNEL or input.numel() < _MIN_VALUES or _row_pieces(values // shape[0]) is None:
         return False
     channels = (shape[1],)
     return all(
@@ -126,7 +128,7 @@ class _NormalizeWithBatchStats(torch.autograd.Function):
     The statistics come in detached; the backward is the training-mode one, so the gradient flows
     through them as it does in ``F.batch_norm``. Only the half input is saved for backward (half
     the bytes of an FP32 copy, and a tensor the caller holds anyway): the backward upcasts it
-    again, exactly. Large inputs are upcast a chunk at a time (:func:`_backward_in_chunks`); with
+    again, exactly, a chunk at a time (:func:`_backward_in_chunks`); with
     ``create_graph`` the backward is torch's FP32 one on the whole upcast input, ATen ops with
     their own derivatives, so double backward works.
     """
@@ -153,9 +155,8 @@ class _NormalizeWithBatchStats(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         input, weight, mean, invstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        if torch.is_grad_enabled() or input.numel() < 4 * _CHUNK:
-            # create_graph: torch's backward, whose own derivative gives the double backward. Small
-            # inputs too: their FP32 copy is small, and one pass beats two.
+        if torch.is_grad_enabled():
+            # create_graph: torch's backward, whose own derivative gives the double backward.
             grad_input, grad_weight, grad_bias = _aten.native_batch_norm_backward(
                 grad, input.float(), weight, None, None, mean, invstd, True, ctx.eps, [needs[0], needs[1], needs[2]]
             )

@@ -312,25 +312,28 @@ def test_fp32_policy_training_takes_its_statistics_from_the_half_input(dtype):
     assert stats_from == [PROFILED[dtype]]
 
 
-# The real size threshold (the tests' conftest lowers it to 0 for their small inputs), read at
+# The real size thresholds (the tests' conftest lowers them to 0 for their small inputs), read at
 # collection, before any fixture runs.
-REAL_MIN_VALUES = _kernels._MIN_VALUES
+REAL_MIN_VALUES, REAL_MIN_PER_CHANNEL = _kernels._MIN_VALUES, _kernels._MIN_PER_CHANNEL
 
 
 @pytest.mark.parametrize(
     "shape, fast",
     [
         ((168, 16, 14, 14), True),  # rows of 196 (parts of 4 samples), 526848 values
-        ((2, 4, 256, 256), True),  # exactly 2**19 values, rows in pieces of 1024
+        ((2, 4, 256, 256), True),  # rows in pieces of 1024
         ((256, 16, 12, 12), True),  # rows of 144
         ((512, 32, 6, 6), True),  # rows of 36 (parts of 16 samples)
-        ((4, 4, 128, 128), False),  # long rows, 262144 values: the fixed cost does not pay
+        ((4, 4, 128, 128), True),  # exactly 2**18 values
+        ((2, 4, 128, 128), False),  # 131072 values: the fixed cost does not pay
+        ((8, 240, 12, 12), False),  # 276480 values, but 1152 per channel
         ((1024, 64, 3, 3), False),  # 589824 values in rows of 9
         ((64, 4, 2062), False),  # rows of 2 x 1031 values: no pieces of 32 to 1024 values
     ],
 )
 def test_fp32_policy_training_fast_path_starts_where_it_pays(monkeypatch, shape, fast):
     monkeypatch.setattr(_kernels, "_MIN_VALUES", REAL_MIN_VALUES)
+    monkeypatch.setattr(_kernels, "_MIN_PER_CHANNEL", REAL_MIN_PER_CHANNEL)
     x = torch.randn(shape).bfloat16()
     running_mean, running_var = torch.zeros(shape[1]), torch.ones(shape[1])
     with OpLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
