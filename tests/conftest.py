@@ -1,6 +1,6 @@
 """Every test starts from the documented defaults with the shim enabled, and leaves it so.
 
-One exception: the FP32 fast path's size threshold is lowered for the tests' small inputs.
+One exception: the FP32 fast path's size thresholds are lowered for the tests' small inputs.
 """
 
 import os
