@@ -24,7 +24,7 @@ Example::
 
 The environment picks the settings at import: ``AMP_BN_FIX_POLICY`` (``fp32``, ``input``,
 ``autocast``, ``off``), ``AMP_BN_FIX_DEVICES`` (``all`` or a comma list such as ``cuda,cpu``),
-``AMP_BN_FIX_GUARD`` (``1``/``0``) and ``AMP_BN_FIX_KEEP_FP32`` (``stats``, ``all``, ``none``).
+``AMP_BN_FIX_GUARD`` (``1``/``0``) and ``AMP_BN_FIX_KEEP_FP32`` (``all``, ``stats``, ``none``).
 A bad value makes the import raise ``ValueError``.
 """
 

@@ -13,7 +13,7 @@ Stateless: the runtime (``_patch``) passes in the original ``_apply`` and the ke
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Optional, Set, Tuple
 
 import torch
 
@@ -50,11 +50,14 @@ def apply_keeping_fp32(
     args: Tuple[Any, ...],
     kwargs: Dict[str, Any],
     keep: str,
+    devices: Optional[FrozenSet[str]] = None,
 ) -> torch.nn.Module:
     """Run ``module._apply`` so that its kept tensors come out float32 instead of 16-bit.
 
-    ``keep`` is ``"stats"`` (running_mean, running_var), ``"all"`` (also weight, bias and their
-    gradients) or ``"none"`` (torch's behaviour). Casts to float32/float64 are untouched.
+    ``keep`` is ``"all"`` (running_mean, running_var, weight, bias and their gradients),
+    ``"stats"`` (the running stats only) or ``"none"`` (torch's behaviour). Casts to
+    float32/float64 are untouched, and so are tensors that land on a device type outside
+    ``devices`` (``None``: every type), whose calls the shim leaves to torch.
     """
     if keep == "none" or not (args or "fn" in kwargs):
         return original(*args, **kwargs)  # a malformed call raises torch's own error
@@ -64,6 +67,8 @@ def apply_keeping_fp32(
     def keeping_fn(tensor: torch.Tensor) -> torch.Tensor:
         result = fn(tensor)
         if id(tensor) not in kept or result.dtype not in _HALF:
+            return result
+        if devices is not None and result.device.type not in devices:
             return result
         # Convert from the tensor as it was, never from the rounded result; a meta tensor has
         # no values to convert (``to_empty`` turns it into uninitialized memory anyway).

@@ -8,7 +8,8 @@ from typing import ContextManager, Optional
 import torch
 import torch._guards
 import torch.autograd.forward_ad
-from torch.overrides import has_torch_function_variadic
+from torch.overrides import _get_current_function_mode_stack, has_torch_function_variadic
+from torch.utils._device import DeviceContext
 
 # Both take a device type since torch 2.4; older spellings (torch.is_autocast_cpu_enabled, ...)
 # are deprecated and not supported.
@@ -22,7 +23,9 @@ _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 _key_included = torch._C._dispatch_tls_is_dispatch_key_included
 _functorch_active = torch._C._are_functorch_transforms_active
 _forward_ad = torch.autograd.forward_ad
-_jit_tracing = torch._C._is_tracing
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+# torch.jit.trace is recording this call.
+jit_tracing = torch._C._is_tracing
 # True only in code dynamo is tracing (not while it runs a traced call on fake tensors).
 is_dynamo_tracing = torch.compiler.is_dynamo_compiling
 # torch.compiler.config.cache_key_tag (torch 2.6+) goes into inductor's and AOTAutograd's cache keys.
@@ -67,18 +70,28 @@ def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
     for t in tensors:
         if t is not None and type(t) is not _Tensor and type(t) is not _Parameter:
             return False
-    # Each check is one C call on a module-level name: this runs on every handled call.
+    # Each check is one C call on a module-level name: this runs on every handled call. The
+    # tensors' types are exact, so a torch function override can only come from a mode.
     return not (
-        _has_torch_function(*tensors)  # also True under a TorchFunctionMode
+        (_has_torch_function(*tensors) and not _only_default_device_modes())
         or _dispatch_stack_len()  # counts the infra modes (fake, proxy, functional)
         # Pre-dispatch tracing (torch.export) keeps its modes apart and includes this key.
         or _key_included(_PRE_DISPATCH)
         or _functorch_active()
         or _forward_ad._current_level >= 0
-        or _jit_tracing()  # torch.jit.trace
+        or jit_tracing()
         or torch.compiler.is_compiling()
         or is_exporting()
     )
+
+
+def _only_default_device_modes() -> bool:
+    """Whether every active TorchFunctionMode only fills in a default device.
+
+    ``torch.set_default_device`` and ``with torch.device(...):`` push such a mode: it changes where
+    factory functions allocate, and records nothing, so code under it is still plain eager.
+    """
+    return all(type(mode) is DeviceContext for mode in _get_current_function_mode_stack())
 
 
 def is_compiling() -> bool:
@@ -100,22 +113,28 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
 
 
-def autocast_deferred(device_type: str) -> bool:
-    """Whether a tracer is recording an autocast region for ``device_type`` without entering it.
+def recorded_autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype of the autocast region a tracer records for ``device_type`` without entering it, if any.
 
     Strict ``torch.export`` records ``torch.autocast`` blocks inside ``forward`` as graph nodes
     (its pre-dispatch TorchFunctionMode keeps the open ones in ``enter_autocast_nodes``): while it
-    traces them, autocast is off and inputs are not cast, so what runs under autocast later cannot
-    be told apart from an FP32 call. (Non-strict export enters the block as well as recording it.)
+    traces them autocast is off and inputs are not cast, and the recorded region casts them when
+    the program runs. Only the innermost open block for the device type counts: an
+    ``autocast(enabled=False)`` island inside an autocast region is an FP32 region. (Non-strict
+    export enters the blocks as well as recording them: autocast is then on where they are.)
     """
-    if autocast_enabled(device_type):
-        return False
-    for mode in torch.overrides._get_current_function_mode_stack():
-        for node in getattr(mode, "enter_autocast_nodes", ()):
-            # _enter_autocast(device_type, dtype, enabled, cache_enabled)
-            if node.args[:1] == (device_type,) and (len(node.args) < 3 or node.args[2]):
-                return True
-    return False
+    if not _function_mode_enabled() or autocast_enabled(device_type):
+        return None
+    for mode in reversed(_get_current_function_mode_stack()):
+        # _enter_autocast(device_type, dtype, enabled, cache_enabled), innermost last
+        nodes = [n for n in getattr(mode, "enter_autocast_nodes", ()) if n.args[:1] == (device_type,)]
+        if nodes:
+            args = nodes[-1].args
+            if len(args) >= 3 and not args[2]:
+                return None
+            dtype = args[1] if len(args) >= 2 else None
+            return dtype if isinstance(dtype, torch.dtype) else autocast_dtype(device_type)
+    return None
 
 
 def set_compile_cache_tag(settings: Optional[str]) -> None:

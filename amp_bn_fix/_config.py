@@ -100,7 +100,7 @@ class Config:
 
     policy: str = "fp32"
     devices: Optional[FrozenSet[str]] = None  # None: every device type
-    keep_fp32: str = "stats"
+    keep_fp32: str = "all"
     guard: bool = True
     # Read-only, and left out of hashing and comparison: two configs with the same settings are equal.
     sources: Mapping[str, str] = dataclasses.field(

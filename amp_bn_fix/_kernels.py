@@ -29,6 +29,8 @@ from typing import List, Optional, Tuple
 import torch
 
 _aten = torch.ops.aten
+# True for a batched (vmap, either kind), functorch-wrapped or Python-subclass tensor.
+_subclass_like = torch._C._dispatch_isTensorSubclassLike
 # Where the FP32 training fast path pays: its dozen small ops pay back on inputs of a quarter of a
 # million values with at least 1536 per channel, and :func:`_batch_stats` needs rows (one sample,
 # one channel) of at least 32 values to be quick. Measured fwd+bwd, fast / reference:
@@ -155,8 +157,10 @@ class _NormalizeWithBatchStats(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         input, weight, mean, invstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or _subclass_like(grad):
             # create_graph: torch's backward, whose own derivative gives the double backward.
+            # Batched gradients (``is_grads_batched``, torch.func over the backward) too: the
+            # chunked backward's in-place updates of plain tensors cannot take a batched operand.
             grad_input, grad_weight, grad_bias = _aten.native_batch_norm_backward(
                 grad, input.float(), weight, None, None, mean, invstd, True, ctx.eps, [needs[0], needs[1], needs[2]]
             )

@@ -125,12 +125,12 @@ def _is_ours(obj: Any) -> bool:
     return getattr(type(obj), "_amp_bn_fix_wrapper", False) is True
 
 
-def _refuse_recorded_autocast(policy: str) -> None:
+def _refuse_recorded_region(original: Any, call: Any, policy: str, region_dtype: torch.dtype, guard: bool) -> torch.Tensor:
     raise RuntimeError(
         "amp_bn_fix: strict torch.export records the torch.autocast block inside forward() without "
-        f"running it, so the BatchNorm policy {policy!r} cannot be applied and the exported program "
-        "would silently differ from eager mode. Export with strict=False, enter torch.autocast around "
-        "the export call instead, or export with amp_bn_fix.policy('off')."
+        f"running it, and SyncBatchNorm's syncing path cannot carry the BatchNorm policy {policy!r} "
+        "into the recorded block. Export with strict=False, enter torch.autocast around the export "
+        "call instead, or export with amp_bn_fix.policy('off')."
     )
 
 
@@ -141,17 +141,20 @@ def _policy_wrapper(
     bind: Callable[..., Any],
     as_batch_norm_call: Callable[[Any], _policy.BatchNormCall],
     compute: Callable[[Callable[..., torch.Tensor], Any, torch.dtype, bool], torch.Tensor],
+    compute_recorded: Callable[[Callable[..., torch.Tensor], Any, str, torch.dtype, bool], torch.Tensor],
 ) -> _Wrapper:
     """A wrapt wrapper that applies the policy to one batch-norm entry point.
 
     ``bind`` names the entry point's arguments (``TypeError`` for a malformed call),
-    ``as_batch_norm_call`` presents them as ``F.batch_norm``'s for the policy, and
-    ``compute(original, call, out_dtype, guard)`` computes a handled call.
+    ``as_batch_norm_call`` presents them as ``F.batch_norm``'s for the policy,
+    ``compute(original, call, out_dtype, guard)`` computes a handled call, and
+    ``compute_recorded(original, call, policy, region_dtype, guard)`` one that strict export
+    traces inside an autocast region it records without entering.
     """
 
     def wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         # The dtype test comes first: most calls are FP32 and leave after it (unless a
-        # TorchFunctionMode is active: strict export's, see ``_refuse_recorded_autocast``).
+        # TorchFunctionMode is active: strict export's, see ``compute_recorded``).
         input = args[0] if args else kwargs.get("input")
         dtype = getattr(input, "dtype", None)
         if dtype is not _F16 and dtype is not _BF16 and (dtype is not _F32 or not _function_mode_enabled()):
@@ -164,34 +167,51 @@ def _policy_wrapper(
             call = bind(*args, **kwargs)
         except TypeError:
             return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
-        if config.devices is not None and input.device.type not in config.devices:
-            return wrapped(*args, **kwargs)
-        policy = _call_policy(config)
-        if policy != "off" and _compat.autocast_deferred(input.device.type):
-            _refuse_recorded_autocast(policy)
+        device_type = input.device.type
+        selected = config.devices is None or device_type in config.devices
+        policy = _call_policy(config) if selected else "off"
+        guard = config.guard
+        if policy != "off":
+            region_dtype = _compat.recorded_autocast_dtype(device_type)
+            if region_dtype is not None:
+                return _inside(compute_recorded, wrapped, call, policy, region_dtype, guard)
         if dtype is _F32:
             return wrapped(*args, **kwargs)
-        out_dtype = _policy.output_dtype(policy, as_batch_norm_call(call))
+        bn_call = as_batch_norm_call(call)
+        out_dtype = _policy.output_dtype(policy, bn_call)
         if out_dtype is None:
-            return wrapped(*args, **kwargs)
-        thread.inside = True
-        try:
-            return compute(wrapped, call, out_dtype, config.guard)
-        finally:
-            thread.inside = False
+            if not _policy.left_by_keep_stats(bn_call):
+                return wrapped(*args, **kwargs)
+            # A model cast with AMP_BN_FIX_KEEP_FP32=stats, which torch's kernels reject: the
+            # arithmetic is FP32, the rest is the pass-through's (input dtype, no guard).
+            out_dtype, guard = dtype, False
+        return _inside(compute, wrapped, call, out_dtype, guard)
 
     return wrapper
 
 
-_batch_norm_wrapper = _policy_wrapper(_policy.bind, lambda call: call, _policy.fp32_batch_norm)
+def _inside(compute: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``compute(*args)`` marked as inside a handled call on this thread (see ``_ThreadState``)."""
+    _thread.inside = True
+    try:
+        return compute(*args)
+    finally:
+        _thread.inside = False
+
+
+_batch_norm_wrapper = _policy_wrapper(
+    _policy.bind, lambda call: call, _policy.fp32_batch_norm, _policy.recorded_region_batch_norm
+)
 # nn.SyncBatchNorm's syncing path (more than one rank) bypasses F.batch_norm.
-_sync_batch_norm_wrapper = _policy_wrapper(_sync.bind, _sync.as_batch_norm_call, _sync.fp32_sync_batch_norm)
+_sync_batch_norm_wrapper = _policy_wrapper(
+    _sync.bind, _sync.as_batch_norm_call, _sync.fp32_sync_batch_norm, _refuse_recorded_region
+)
 
 
 def _module_apply_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``_BatchNorm._apply``: model casts keep the running stats FP32 (settings read per call)."""
     keep = "none" if active_policy() == "off" else _config.keep_fp32
-    return _buffers.apply_keeping_fp32(wrapped, instance, args, kwargs, keep)
+    return _buffers.apply_keeping_fp32(wrapped, instance, args, kwargs, keep, _config.devices)
 
 
 def configure(config: Config) -> None:

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from . import _kernels
-from ._compat import autocast_disabled, autocast_dtype, autocast_enabled, has_internal_overlap, plain_eager
+from ._compat import autocast_disabled, autocast_dtype, autocast_enabled, has_internal_overlap, jit_tracing, plain_eager
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _INF = float("inf")
@@ -59,6 +59,25 @@ def _is_mixed(call: BatchNormCall) -> bool:
     )
 
 
+def left_by_keep_stats(call: BatchNormCall) -> bool:
+    """Whether ``call`` has FP32 running stats next to weight and bias in the 16-bit input's dtype.
+
+    That is what a 16-bit cast leaves with ``AMP_BN_FIX_KEEP_FP32=stats``, and torch's kernels
+    reject it ("expected scalar type Half but found Float"), so where the policy would pass the
+    call through (``off``, a device type left out) it is computed anyway, as outside autocast.
+    Any other mix is torch's to accept or reject.
+    """
+    if _torch_decides(call) or call.running_mean is None or call.running_var is None:
+        return False
+    dtype = call.input.dtype
+    return (
+        call.running_mean.dtype is torch.float32
+        and call.running_var.dtype is torch.float32
+        and all(t is None or t.dtype is dtype for t in (call.weight, call.bias))
+        and not (call.weight is None and call.bias is None)
+    )
+
+
 def _torch_decides(call: BatchNormCall) -> bool:
     """Whether ``call`` goes to torch untouched: calls torch rejects, or whose update it owns.
 
@@ -100,11 +119,19 @@ def output_dtype(policy: str, call: BatchNormCall) -> Optional[torch.dtype]:
 def to_fp32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     # A differentiable cast: gradients flow back to the original tensor in its own dtype. As a
     # copy op, unlike ``t.float()``: torch.export pins the input dtype of ``.to`` calls, which
-    # would stop an exported program from running without autocast. (Non-float tensors never get
-    # here: ``_torch_decides`` leaves those calls to torch.)
+    # would stop an exported program from running without autocast. Under torch.jit.trace it is
+    # ``.to``, the cast TorchScript's ONNX exporter knows. (Non-float tensors never get here:
+    # ``_torch_decides`` leaves those calls to torch.)
     if t is None or t.dtype is torch.float32:
         return t
-    return _aten._to_copy(t, dtype=torch.float32)
+    return _cast(t, torch.float32)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a new tensor of ``dtype``, recorded by every tracer (see :func:`to_fp32`)."""
+    if jit_tracing():
+        return t.to(dtype, copy=True)
+    return _aten._to_copy(t, dtype=dtype)
 
 
 def _working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> Optional[torch.Tensor]:
@@ -231,3 +258,27 @@ def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard
 
     out = with_working_stats(running_mean, running_var, bool(training), guard, eager, compute)
     return out if out.dtype is out_dtype else out.to(out_dtype)
+
+
+def recorded_region_batch_norm(
+    original, call: BatchNormCall, policy: str, region_dtype: torch.dtype, guard: bool
+) -> torch.Tensor:
+    """Record ``call`` as the policy computes it when the recorded autocast region runs.
+
+    Strict ``torch.export`` traces the body of an autocast block without autocast (see
+    :func:`~amp_bn_fix._compat.recorded_autocast_dtype`): the input it sees has no telling dtype,
+    so the graph gets the casts that give the policy's result whatever the input's dtype when it
+    runs. ``fp32``: the input cast to FP32, an FP32 batch norm. ``autocast``: the same, its output
+    cast to ``region_dtype``. ``input``: the input as it comes, with FP32 weight, bias and
+    statistics, which torch's mixed-dtype kernels compute in FP32 and return in the input's dtype.
+    Running stats as in every traced call: FP32 working copies, guarded, written back in place.
+    """
+    input, running_mean, running_var, weight, bias, training, momentum, eps = call
+    x = input if policy == "input" else _cast(input, torch.float32)
+    weight, bias = to_fp32(weight), to_fp32(bias)
+
+    def compute(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
+        return original(x, mean, var, weight, bias, training, momentum, eps)
+
+    out = with_working_stats(running_mean, running_var, bool(training), guard, False, compute)
+    return _cast(out, region_dtype) if policy == "autocast" else out

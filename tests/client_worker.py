@@ -6,7 +6,7 @@ model is the ResNet of ``bn_probe``; every BatchNorm call is checked against flo
 
     python tests/client_worker.py CLIENT OUT_JSON
 
-CLIENT is ``lightning-bf16-mixed``, ``lightning-bf16-true`` or ``accelerate-bf16``.
+CLIENT is ``lightning-bf16-mixed``, ``lightning-bf16-true``, ``lightning-16-true`` or ``accelerate-bf16``.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def report(net: torch.nn.Module, watch: Watch, losses: List[float], precision: A
 CLIENTS = {
     "lightning-bf16-mixed": lightning("bf16-mixed"),
     "lightning-bf16-true": lightning("bf16-true"),
+    "lightning-16-true": lightning("16-true"),
     "accelerate-bf16": accelerate_bf16,
 }
 

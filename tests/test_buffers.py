@@ -75,8 +75,9 @@ def test_cast_keeps_running_stats_fp32_with_exact_values(cast, kind):
     # Exactly the FP32 values from before: no round trip through half.
     assert torch.equal(bn.running_mean, MEAN) and torch.equal(bn.running_var, VAR)
     assert bn.running_mean.device.type == "cpu"
-    # Parameters are cast as in torch; the step counter is untouched.
-    assert bn.weight.dtype == CAST_DTYPES[cast] and model[0].weight.dtype == CAST_DTYPES[cast]
+    # BatchNorm's weight and bias stay FP32 too (the default, AMP_BN_FIX_KEEP_FP32=all); other
+    # layers' parameters are cast as in torch; the step counter is untouched.
+    assert bn.weight.dtype == bn.bias.dtype == torch.float32 and model[0].weight.dtype == CAST_DTYPES[cast]
     # Module.type() casts integer buffers too, as in torch; every other cast leaves them alone.
     count_dtype = torch.float16 if cast == "type(float16)" else torch.long
     assert bn.num_batches_tracked.dtype == count_dtype and bn.num_batches_tracked.item() == 7
@@ -102,7 +103,7 @@ def test_lazy_module_cast_before_materialization_gets_fp32_stats():
     bn = nn.LazyBatchNorm1d().half()
     out = bn(torch.randn(8, 4).half())
     assert bn.running_mean.dtype == torch.float32 and bn.running_var.dtype == torch.float32
-    assert bn.weight.dtype == torch.float16 and out.dtype == torch.float16
+    assert bn.weight.dtype == torch.float32 and out.dtype == torch.float16
 
 
 def test_meta_model_materialized_with_to_empty_gets_fp32_stats():
@@ -187,6 +188,7 @@ def test_keep_all_optimizer_still_updates_the_kept_parameters():
 
 
 def test_keep_stats_leaves_weight_and_bias_to_torch():
+    _keep("stats")
     model = _model().half()
     assert model[1].weight.dtype == torch.float16 and model[1].bias.dtype == torch.float16
     assert model[1].running_var.dtype == torch.float32
@@ -210,23 +212,33 @@ def test_keep_mode_is_read_at_cast_time():
 
 
 def test_policy_off_casts_as_in_torch():
-    """Policy off runs BatchNorm natively, and native kernels reject half weights with FP32 stats."""
+    """Policy off runs BatchNorm natively: casts are torch's too."""
     amp_bn_fix.set_policy("off")
     assert _model()[1].half().running_mean.dtype == torch.float16
     with amp_bn_fix.policy("fp32"):
         assert _model()[1].half().running_mean.dtype == torch.float32
 
 
-def test_env_keep_all_is_honoured_at_import():
+def test_env_keep_stats_is_honoured_at_import():
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
-    env["AMP_BN_FIX_KEEP_FP32"] = "all"
+    env["AMP_BN_FIX_KEEP_FP32"] = "stats"
     code = (
         "import torch, amp_bn_fix\n"
         "bn = torch.nn.BatchNorm1d(3).half()\n"
         "print(bn.weight.dtype, bn.running_mean.dtype)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["torch.float32", "torch.float32"]
+    assert out.stdout.split() == ["torch.float16", "torch.float32"]
+
+
+@pytest.mark.parametrize("keep", ["all", "stats"])
+def test_cast_onto_a_device_type_left_out_is_torchs(keep):
+    """The shim leaves calls on an excluded device type to torch, so their casts are torch's too."""
+    _patch.configure(_patch.current_config().replace(keep_fp32=keep, devices=frozenset({"cuda"})))
+    bn = _model()[1].half()
+    assert bn.running_mean.dtype == bn.weight.dtype == torch.float16
+    _patch.configure(_patch.current_config().replace(keep_fp32=keep, devices=frozenset({"cuda", "cpu"})))
+    assert _model()[1].half().running_mean.dtype == torch.float32
 
 
 def test_bad_keep_value_names_the_allowed_ones():

@@ -68,11 +68,11 @@ def run_client(client: str, policy: str, tmp_path: pathlib.Path) -> dict:
     return report
 
 
-def assert_calls(report: dict, autocast: bool, weight: str, out: str) -> None:
+def assert_calls(report: dict, autocast: bool, weight: str, out: str, input: str = "torch.bfloat16") -> None:
     for call in report["calls"]:
         assert call["training"] is True and call["autocast"] is autocast, call
         assert (call["input"], call["weight"], call["stats"], call["out"]) == (
-            "torch.bfloat16", weight, "torch.float32", out
+            input, weight, "torch.float32", out
         ), call
         assert call["out_err"] < out_tolerance(out), call
         # FP32 running-stat updates (bfloat16 stats, as torch keeps them in a bfloat16 model, are ~5e-3 off).
@@ -90,18 +90,20 @@ def test_lightning_bf16_mixed(policy, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision, dtype", [("bf16-true", "torch.bfloat16"), ("16-true", "torch.float16")])
 @pytest.mark.parametrize("policy", ["fp32", "input"])
-def test_lightning_bf16_true(policy, tmp_path):
-    """Trainer(precision="bf16-true"): the model is cast to bfloat16, no autocast.
+def test_lightning_true_half_precision(policy, precision, dtype, tmp_path):
+    """Trainer(precision="bf16-true" / "16-true"): the model is cast to 16 bits, no autocast.
 
-    Lightning casts with ``module.to(torch.bfloat16)``; the shim keeps the running stats FP32
-    (torch alone makes them bfloat16). BatchNorm then gets bfloat16 input and weights next to FP32
-    stats outside autocast: computed in FP32, returned in bfloat16 whatever the policy.
+    Lightning casts with ``module.to(dtype)``; the shim keeps BatchNorm's weight, bias and running
+    stats FP32 (torch alone makes them 16-bit). BatchNorm then gets a 16-bit input next to FP32
+    parameters and stats outside autocast: computed in FP32, returned in the input's dtype
+    whatever the policy.
     """
     skip_unless_installed("lightning", "pytorch_lightning")
-    report = run_client("lightning-bf16-true", policy, tmp_path)
-    assert report["precision"] == "bf16-true" and report["param_dtypes"] == ["torch.bfloat16"]
-    assert_calls(report, autocast=False, weight="torch.bfloat16", out="torch.bfloat16")
+    report = run_client(f"lightning-{precision}", policy, tmp_path)
+    assert report["precision"] == precision and report["param_dtypes"] == sorted([dtype, "torch.float32"])
+    assert_calls(report, autocast=False, weight="torch.float32", out=dtype, input=dtype)
 
 
 @pytest.mark.slow

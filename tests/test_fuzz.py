@@ -118,20 +118,32 @@ def call(fn, spec, tensors, dtype=None, autocast=None):
     return out, mean, var
 
 
+def left_by_keep_stats(tensors):
+    """FP32 running stats next to weight and bias in the input's dtype: what torch's kernels reject."""
+    x, mean, var, weight, bias = tensors
+    return (
+        mean is not None and var is not None and mean.dtype is var.dtype is torch.float32
+        and (weight is not None or bias is not None)
+        and all(t is None or t.dtype is x.dtype for t in (weight, bias))
+    )
+
+
 def handled(spec, tensors):
     """Whether the shim computes the call itself (README, "Policies")."""
     x = tensors[0]
-    if spec["policy"] == "off" or x.dtype not in HALF:
+    if x.dtype not in HALF:
         return False
     if any(t is not None and not t.is_floating_point() for t in tensors[1:]):
         return False  # integer stats or parameters: torch rejects them with its own error
+    if spec["policy"] == "off":
+        return left_by_keep_stats(tensors)  # computed, not rejected, under every policy
     if spec["autocast"] is not None:
         return True
     return any(t is not None and t.dtype is not x.dtype for t in tensors[1:])
 
 
 def expected_dtype(spec, x_dtype):
-    if spec["autocast"] is None:
+    if spec["autocast"] is None or spec["policy"] == "off":
         return x_dtype  # outside autocast: the caller chose the input's precision
     return {"fp32": torch.float32, "input": x_dtype, "autocast": spec["autocast"]}[spec["policy"]]
 
