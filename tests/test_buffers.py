@@ -13,6 +13,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import amp_bn_fix
 from amp_bn_fix import _config, _patch
 
+BF16 = torch.bfloat16
+
 # Not representable in float16/bfloat16: a round trip through half would change them.
 MEAN = torch.tensor([1 / 3, -2 / 7, 1e-4 + 1 / 9, 1000.1])
 VAR = torch.tensor([1 / 7, 3.3333, 1e-5 + 0.1, 2048.3])
@@ -332,3 +334,53 @@ def test_half_model_running_stats_track_fp64_far_better_than_torch():
           f"ratio {torch_error / shim_error:.0f}x")
     assert shim_error < 1e-5
     assert torch_error > 100 * shim_error
+
+
+def _half_model(shim: bool, keep: str, seed: int) -> nn.Sequential:
+    """A bfloat16 conv + BatchNorm, cast with the shim (``keep``) or by plain torch, stats moved off 0/1."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    with torch.no_grad():
+        model[1].running_mean.copy_(MEAN)
+        model[1].running_var.copy_(VAR)
+    if shim:
+        _keep(keep)
+        return model.bfloat16()
+    amp_bn_fix.disable()
+    try:
+        return model.bfloat16()
+    finally:
+        amp_bn_fix.enable()
+
+
+@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
+@pytest.mark.parametrize("keep", ["all", "stats", "none"])
+@pytest.mark.parametrize("saved_by, loaded_by", [("shim", "plain"), ("plain", "shim"), ("shim", "shim")])
+def test_state_dicts_load_either_way(saved_by, loaded_by, keep, assign):
+    """A checkpoint made with or without the shim loads into a model made either way and runs there.
+
+    ``load_state_dict`` copies into the model's own tensors (their dtypes stay); with ``assign=True``
+    the model takes the checkpoint's. The one state that runs only through the shim is ``stats``'s:
+    16-bit weights next to FP32 running stats, handed to a plain model by ``assign=True``.
+    """
+    source = _half_model(saved_by == "shim", keep, seed=0)
+    target = _half_model(loaded_by == "shim", keep, seed=1)
+    dtypes = {name: t.dtype for name, t in target.state_dict().items()}
+    target.load_state_dict(source.state_dict(), assign=assign)
+    loaded = target.state_dict()
+    for name, tensor in source.state_dict().items():
+        expected_dtype = tensor.dtype if assign else dtypes[name]
+        assert loaded[name].dtype is expected_dtype, name
+        # Every value arrives: exactly where the dtype stays, rounded once where it narrows.
+        torch.testing.assert_close(loaded[name].to(tensor.dtype), tensor, rtol=torch.finfo(BF16).eps, atol=0)
+    x = torch.randn(4, 3, 8, 8, dtype=BF16)
+    if loaded_by == "plain":
+        amp_bn_fix.disable()
+    try:
+        if loaded_by == "plain" and assign and saved_by == "shim" and keep == "stats":
+            with pytest.raises(RuntimeError, match="expected scalar type"):
+                target(x)
+        else:
+            assert target(x).dtype is BF16
+    finally:
+        amp_bn_fix.enable()
