@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -237,3 +238,68 @@ def test_sync_batchnorm_on_cpu_with_one_rank(run_torchrun, tmp_path_factory):
     assert_error(runs["syncbn-train"], SYNCBN_TRAIN_ON_CPU)
     assert [call["out"] for call in runs["syncbn-eval"]["calls"]] == ["torch.float32"] * 2
     assert all(call["out_err"] < 1e-5 for call in runs["syncbn-eval"]["calls"])
+
+
+# ---- a 16-bit cast model in FSDP: the keep_fp32 trade-off --------------------------------------
+
+FSDP_CAST_PROBE = r"""
+import json, os, sys, torch, torch.distributed as dist
+from torch import nn
+import amp_bn_fix
+from amp_bn_fix import _patch
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch < 2.6
+    from torch.distributed._composable.fsdp import fully_shard
+
+def model():
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).bfloat16()
+
+def fsdp1(bn_unit):
+    wrap = ModuleWrapPolicy({nn.BatchNorm2d}) if bn_unit else None
+    return FullyShardedDataParallel(model(), device_id=torch.device("cpu"), auto_wrap_policy=wrap)
+
+def fsdp2(bn_unit):
+    net = model()
+    if bn_unit:
+        fully_shard(net[1])
+    fully_shard(net)
+    return net
+
+report = {}
+for keep in ("all", "stats"):
+    _patch.configure(_patch.current_config().replace(keep_fp32=keep))
+    for name, make in (("fsdp1", fsdp1), ("fsdp2", fsdp2)):
+        for bn_unit in (False, True):
+            key = f"{keep}-{name}-{'bn-unit' if bn_unit else 'one-unit'}"
+            try:
+                out = make(bn_unit)(torch.randn(4, 3, 16, 16, dtype=torch.bfloat16))
+                out.float().sum().backward()
+                report[key] = str(out.dtype)
+            except Exception as exc:
+                report[key] = type(exc).__name__ + ": " + str(exc)
+dist.destroy_process_group()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 8),
+                    reason="FSDP2 needs CUDA streams before torch 2.8, with or without the shim")
+def test_fsdp_units_of_a_16_bit_cast_model(tmp_path):
+    """``keep_fp32=all`` gives BatchNorm FP32 parameters in a 16-bit model; FSDP flattens (FSDP1) or
+    groups (FSDP2) one dtype per unit, so BatchNorm needs a unit of its own, as FSDP's own
+    MixedPrecision gives it. ``stats`` keeps every parameter 16-bit: one unit works."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
+    result = subprocess.run([sys.executable, "-c", FSDP_CAST_PROBE, str(tmp_path / "store")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    for key, outcome in report.items():
+        keep, name, unit = key.split("-", 2)
+        if keep == "all" and unit == "one-unit":
+            assert "uniform" in outcome and "dtype" in outcome, (key, outcome)  # FSDP's own check
+        else:
+            assert outcome == "torch.bfloat16", (key, outcome)
