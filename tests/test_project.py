@@ -62,7 +62,8 @@ def test_the_quick_start_clones_the_project_url_and_has_a_quick_loop():
     lines = quick_start_lines()
     (clone,) = [line for line in lines if line.startswith("git clone")]
     url = setup_cfg()["metadata"]["url"]
-    assert clone == f"git clone {url} && cd {url.rsplit('/', 1)[-1]}"
+    # Into a folder that is not the package's name, which would shadow the installed package.
+    assert clone == f"git clone {url} amp-bn-fix && cd amp-bn-fix"
     (quick,) = [line for line in lines if "not slow" in line]
     assert quick == '.venv/bin/python -m pytest -q -m "not slow"'
     assert "slow:" in (ROOT / "pyproject.toml").read_text()  # the marker is registered
@@ -71,12 +72,13 @@ def test_the_quick_start_clones_the_project_url_and_has_a_quick_loop():
 def test_metadata():
     config = setup_cfg()
     metadata, options = config["metadata"], config["options"]
-    assert metadata["license"] == "BSD-3-Clause" and metadata["license_files"].split() == ["LICENSE"]
+    assert metadata["license_expression"] == "BSD-3-Clause" and metadata["license_files"].split() == ["LICENSE"]
+    assert "license" not in metadata  # PEP 639: the SPDX expression alone
     assert metadata["author"] == "amp_bn_fix authors"
     classifiers = metadata["classifiers"].split("\n")
-    for wanted in ("Framework :: PyTorch", "Typing :: Typed", "License :: OSI Approved :: BSD License",
-                   "Programming Language :: Python :: 3.11"):
+    for wanted in ("Framework :: PyTorch", "Typing :: Typed", "Programming Language :: Python :: 3.11"):
         assert wanted in classifiers
+    assert not [c for c in classifiers if c.startswith("License ::")]  # deprecated by PEP 639
     assert options["python_requires"] == ">=3.10"
     # Each tested Python version's classifier is within python_requires.
     versions = [c.rsplit(" :: ", 1)[1] for c in classifiers if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
@@ -87,8 +89,7 @@ def test_the_extras_have_what_the_tests_and_the_examples_import():
     extras = setup_cfg()["options.extras_require"]
     names = {extra: {re.split(r"[<>=!~ ]", line.strip())[0] for line in extras[extra].splitlines() if line.strip()}
              for extra in extras}
-    # wheel: the wheel-building tests call setuptools' backend, which needs it before setuptools 70.1.
-    assert {"pytest", "hypothesis", "setuptools", "wheel", "numpy", "expecttest"} <= names["test"]
+    assert {"pytest", "hypothesis", "setuptools", "numpy", "expecttest"} <= names["test"]
     assert {"matplotlib", "tqdm"} <= names["examples"]
 
 
@@ -128,9 +129,13 @@ def test_the_wheel_and_the_sdist_carry_the_licence(tmp_path):
     metadata = wheel.read(next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     assert "Author: amp_bn_fix authors" in metadata and "Requires-Python: >=3.10" in metadata
     assert "Classifier: Framework :: PyTorch" in metadata and "Provides-Extra: examples" in metadata
+    assert "License-Expression: BSD-3-Clause" in metadata and "Classifier: License" not in metadata
 
     with tarfile.open(dist / sdist_name) as sdist:
         names = sdist.getnames()
         (in_sdist,) = [n for n in names if n.count("/") == 1 and n.endswith("/LICENSE")]
         assert sdist.extractfile(in_sdist).read() == licence
         assert any(n.endswith("/CHANGELOG.md") for n in names)
+        # The whole test tree or none: the tests import conftest.py and their helper scripts.
+        shipped = {n.split("/", 1)[1] for n in names if "/" in n}
+        assert {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")} <= shipped
