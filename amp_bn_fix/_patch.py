@@ -209,7 +209,7 @@ _sync_batch_norm_wrapper = _policy_wrapper(
 
 
 def _module_apply_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``_BatchNorm._apply``: model casts keep the running stats FP32 (settings read per call)."""
+    """``_BatchNorm._apply``: model casts keep BatchNorm FP32 as ``keep_fp32`` says (settings read per call)."""
     keep = "none" if active_policy() == "off" else _config.keep_fp32
     return _buffers.apply_keeping_fp32(wrapped, instance, args, kwargs, keep, _config.devices)
 
