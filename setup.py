@@ -1,14 +1,15 @@
 """Ship ``amp_bn_fix.pth`` and ``amp_bn_fix.start`` (the start-up hook) at the top of site-packages.
 
-Python only reads these files from a site directory itself, where package data cannot go. build_py
-copies them next to the packages of a wheel; setuptools' editable wheel ships no build output, so
-the files are added to it afterwards (listed in RECORD, so uninstalling removes them). Everything
-else is in setup.cfg.
+Python only reads these files from a site directory itself, where package data cannot go. Their
+text comes from ``_amp_bn_fix_boot/names.py``. build_py writes them next to the packages of a
+wheel; setuptools' editable wheel ships no build output, so the files are added to it afterwards
+(listed in RECORD, so uninstalling removes them). Everything else is in setup.cfg.
 """
 
 import base64
 import hashlib
 import os
+import sys
 import zipfile
 from pathlib import Path
 
@@ -17,20 +18,20 @@ from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 HERE = Path(__file__).resolve().parent
-START_FILES = ("amp_bn_fix.pth", "amp_bn_fix.start")
+sys.path.insert(0, str(HERE))  # the build environment has not installed the (torch-free) boot package
+from _amp_bn_fix_boot import names as NAMES  # noqa: E402
+
+START_FILES = {NAMES.PTH_FILE: NAMES.PTH_TEXT.encode(), NAMES.START_FILE: NAMES.START_TEXT.encode()}
 
 
 class build_py_with_start_files(build_py):
     def run(self):
         super().run()
-        for name in START_FILES:
-            self.copy_file(str(HERE / name), os.path.join(self.build_lib, name), preserve_mode=False)
+        for name, data in START_FILES.items():
+            Path(self.build_lib, name).write_bytes(data)
 
     def get_outputs(self, include_bytecode=True):
         return [*super().get_outputs(include_bytecode), *(os.path.join(self.build_lib, n) for n in START_FILES)]
-
-    def get_source_files(self):
-        return [*super().get_source_files(), *START_FILES]
 
 
 class editable_wheel_with_start_files(editable_wheel):
@@ -43,14 +44,13 @@ class editable_wheel_with_start_files(editable_wheel):
             add_to_wheel(wheel, START_FILES)
 
 
-def add_to_wheel(wheel: Path, names) -> None:
-    """Rewrite ``wheel`` with the files ``names`` (from this folder) at its root and in its RECORD."""
+def add_to_wheel(wheel: Path, files) -> None:
+    """Rewrite ``wheel`` with ``files`` (name: bytes) at its root and in its RECORD."""
     with zipfile.ZipFile(wheel) as old:
         members = [(info, old.read(info)) for info in old.infolist()]
     entries = []
     added = []
-    for name in names:
-        data = (HERE / name).read_bytes()
+    for name, data in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
         entries.append(f"{name},sha256={digest},{len(data)}\n".encode())
         added.append((name, data))

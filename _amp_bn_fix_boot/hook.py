@@ -15,13 +15,11 @@ import os
 import sys
 from types import ModuleType
 
+from .names import ENV_ENABLE, OFF_WORDS, WARNING
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing would add some 10 ms to start-up; the annotations are strings
     from typing import Any, Optional, Sequence
-
-ENV = "AMP_BN_FIX"
-# The values that mean "off" (amp_bn_fix._config's false words); amp_bn_fix.pth repeats them.
-_OFF = ("", "0", "false", "no", "off")
 
 _started = False
 _registered = False
@@ -33,7 +31,7 @@ def start() -> None:
     Never raises: any error is reported as one warning line.
     """
     global _started, _registered
-    if _started or os.environ.get(ENV, "").strip().lower() in _OFF:
+    if _started or os.environ.get(ENV_ENABLE, "").strip().lower() in OFF_WORDS:
         return
     _started = True
     # BaseException: a broken module may raise SystemExit or KeyboardInterrupt, and start-up must
@@ -137,20 +135,24 @@ def _enable(torch: ModuleType) -> None:
     # KeyboardInterrupt: this runs inside the user's ``import torch``, where a real Ctrl-C is likely
     # enough and must stop the program as it would without the shim.
     try:
-        from . import config
+        from . import settings, status
 
-        settings = config.load()
         if not settings.hook_requested():  # switched off after start-up
             _registered = False
             return
+        shadow = status.shadowing_folder()
+        if shadow is not None:
+            raise ImportError(status.describe_shadowing(shadow))
         import amp_bn_fix  # noqa: F401  (raises ValueError for a bad setting)
     except (Exception, SystemExit) as exc:
         _registered = False
-        warn(str(exc) if isinstance(exc, ValueError) else f"enabling failed ({type(exc).__name__}: {exc})")
+        warn(str(exc) if isinstance(exc, (ValueError, ImportError)) else f"enabling failed ({type(exc).__name__}: {exc})")
 
 
 def warn(problem: str) -> None:
-    """Report ``problem`` as one line (logger ``amp_bn_fix``; stderr unless logging says otherwise)."""
-    import logging
-
-    logging.getLogger("amp_bn_fix").warning("amp_bn_fix: %s; running without the shim", problem)
+    """Report ``problem`` as one line on stderr, written directly: no logging set-up can hide it."""
+    try:
+        sys.stderr.write(WARNING.format(problem=" ".join(str(problem).split())) + "\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # no usable stderr (pythonw, closed): nothing to tell
+        pass

@@ -33,9 +33,13 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-from . import _config, _patch
-from ._config import Config
-from ._version import __version__
+import warnings
+
+from _amp_bn_fix_boot import settings as _settings
+from _amp_bn_fix_boot._version import __version__
+from _amp_bn_fix_boot.settings import Config
+
+from . import _patch
 
 __all__ = [
     "Config",
@@ -148,7 +152,7 @@ def set_policy(name: str) -> None:
           ...
         ValueError: policy='fast' is not valid; allowed values: fp32, input, autocast, off
     """
-    _patch.configure(_patch.current_config().replace(policy=_config.check_policy(name)))
+    _patch.configure(_patch.current_config().replace(policy=_settings.check_policy(name)))
 
 
 @contextlib.contextmanager
@@ -171,7 +175,7 @@ def policy(name: str) -> Iterator[None]:
         ...     bn(x).dtype
         torch.bfloat16
     """
-    with _patch.scoped_policy(_config.check_policy(name)):
+    with _patch.scoped_policy(_settings.check_policy(name)):
         yield
 
 
@@ -197,6 +201,8 @@ def get_config() -> Config:
     return _patch.current_config()
 
 
-_patch.configure(_config.from_env())
+_patch.configure(_settings.from_env())
+if _settings.unknown_names():
+    warnings.warn(f"amp_bn_fix: {_settings.describe_unknown(_settings.unknown_names())}", RuntimeWarning, stacklevel=2)
 if _patch.current_config().policy != "off":
     enable()

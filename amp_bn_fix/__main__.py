@@ -2,6 +2,6 @@
 
 import sys
 
-from _amp_bn_fix_boot.launcher import main
+from _amp_bn_fix_boot.cli import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """The ``amp-bn-fix`` commands that need torch: ``demo`` and ``check``.
 
-The command line itself (arguments, ``--help``, errors, ``run``) is ``_amp_bn_fix_boot.launcher``,
+The command line itself (arguments, ``--help``, errors, ``run``) is ``_amp_bn_fix_boot.cli``,
 which imports neither torch nor this package until one of these commands runs.
 """
 
@@ -9,7 +9,11 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional, Sequence, Tuple
 
-from . import _check, _config, _demo, _patch
+from _amp_bn_fix_boot import settings
+from _amp_bn_fix_boot import status as startup
+from _amp_bn_fix_boot.names import ENV_ENABLE
+
+from . import _check, _demo, _patch
 
 REPORT = "the bug report pytorch#88929"
 
@@ -61,48 +65,41 @@ def _fields(pairs: Sequence[Tuple[str, str]]) -> str:
     return "\n".join(name.ljust(width) + value.replace("\n", "\n" + " " * width) for name, value in pairs)
 
 
-def _hook_effect(hook: _check.HookStatus) -> Tuple[str, str]:
-    """(how AMP_BN_FIX reads, what the Python processes of this environment do at ``import torch``)."""
-    if hook.env_value is None:
-        switch, on = "unset (off)", False
-    else:
-        try:
-            on = _config.parse_flag(hook.env_value, _config.ENV_ENABLE)
-        except ValueError as exc:
-            return f"{hook.env_value!r} (invalid: {exc})", "run without the shim and print one warning line"
-        switch = f"{hook.env_value!r} ({'on' if on else 'off'})"
-    if not hook.files:
-        return switch, "run without the shim unless they import amp_bn_fix (the hook is not installed: reinstall amp_bn_fix)"
-    if on:
-        return switch, "enable the shim when they import torch"
-    return switch, f"run without the shim unless they import amp_bn_fix (set {_config.ENV_ENABLE}=1 to enable it in all of them)"
+def _switch(status: "startup.StartupStatus") -> str:
+    if status.switch is None:
+        return "unset (off)"
+    return f"{status.switch!r} ({'on' if status.requested else 'off'})"
 
 
 def check(args: Optional[argparse.Namespace] = None) -> int:
-    """Versions, devices, settings, the start-up hook and a self-test; 1 when the self-test fails."""
-    hook = _check.hook_status()
+    """Versions, devices, settings, the start-up hook, a fresh interpreter and a self-test.
+
+    Exits with 1 when the self-test fails, or when a Python process of this environment would not
+    get the shim although ``AMP_BN_FIX`` asks for it (or ``AMP_BN_FIX`` cannot be read).
+    """
+    status = startup.gather()
     print("versions:")
     print(_indent(_fields(_check.versions())))
     print(f"\nautocast devices: {', '.join(_check.autocast_devices())}")
-    print(f"patch: {'active' if _patch.is_installed() else 'not active'} in this process")
-    print(_indent(_fields([
-        ("repr(F.batch_norm)", _check.batch_norm_repr()),
-        ("in your program", "amp_bn_fix.is_enabled() is True while the shim is on, and repr() of\n"
-                            "torch.nn.functional.batch_norm shows a ShimWrapper (str() and print()\n"
-                            "show the original function either way)"),
-    ])))
     print("\nconfig:")
     print(_indent(_format_table(["setting", "value", "from"], [list(row) for row in _check.config_rows()])))
-    switch, effect = _hook_effect(hook)
+    if status.unknown:
+        print(_indent(settings.describe_unknown(status.unknown)))
     print("\nstart-up hook:")
     print(_indent(_fields([
-        ("installed", "\n".join(hook.files) or "no (reinstall amp_bn_fix)"),
-        (_config.ENV_ENABLE, switch),
-        ("python processes", effect),
-        ("launcher", "in use (amp-bn-fix run)" if hook.launcher else "not in use"),
+        ("installed", "\n".join(status.start_files) or "no (not in a site directory of this interpreter)"),
+        (ENV_ENABLE, _switch(status)),
+        ("launcher", "in use (amp-bn-fix run)" if status.bootstrap_on_path else "not in use"),
     ])))
-    print(f"\nself-test ({REPORT}: Linear -> BatchNorm1d -> Linear under autocast, policy fp32):")
-    results = [_check.self_test(device, dtype) for device, dtype in _check.self_test_cases()]
+    fresh = _check.fresh_interpreter()
+    verdict = {True: "the shim is enabled", False: "torch is plain (no shim)", None: "the interpreter failed"}[fresh.enabled]
+    print(f"\na fresh interpreter here (import torch): {verdict}")
+    for line in fresh.stderr:
+        print(_indent(line))
+    print(_indent(startup.summary(status)))
+    broken = bool(status.problems) or (status.requested and fresh.enabled is not True)
+    print("\nself-test (Linear -> BatchNorm1d -> Linear under autocast, the settings above):")
+    results = [_check.self_test(device, dtype) for device, dtype in _check.cases()]
     rows = [[r.device, _check.dtype_name(r.dtype), "ok" if r.ok else "FAIL", r.detail] for r in results]
     print(_indent(_format_table(["device", "autocast", "result", "detail"], rows)))
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if all(r.ok for r in results) and not broken else 1

@@ -19,12 +19,47 @@ class DemoRow(NamedTuple):
     expected: torch.dtype  # what the active policy should give
 
 
+# Device types that can run autocast, each with how to ask whether one is present.
+_DEVICE_MODULES = ("cuda", "xpu", "mps", "hpu", "mtia")
+
+
+def autocast_devices() -> List[str]:
+    """Device types present in this process that autocast supports; ``cpu`` always."""
+    found = ["cpu"]
+    for name in _DEVICE_MODULES:
+        module = getattr(torch, name, None)
+        is_available = getattr(module, "is_available", None)
+        try:
+            present = bool(is_available()) if callable(is_available) else False
+        except Exception:  # a backend whose runtime is broken counts as absent
+            present = False
+        if present and torch.amp.is_autocast_available(name):
+            found.append(name)
+    return found
+
+
 def cases() -> Iterator[Tuple[str, torch.dtype]]:
-    """(device type, autocast dtype) pairs to show: CUDA fp16 when present, CPU fp16 and bf16 always."""
-    if torch.cuda.is_available():
-        yield "cuda", torch.float16
-    yield "cpu", torch.float16
-    yield "cpu", torch.bfloat16
+    """(device type, autocast dtype) pairs the demo and the self-test run: each present device type
+    with its 16-bit dtypes (CPU: float16 and bfloat16; CUDA: float16, and bfloat16 where supported)."""
+    for device in autocast_devices():
+        if device == "cpu":
+            yield from (("cpu", torch.float16), ("cpu", torch.bfloat16))
+        elif device == "cuda":
+            yield "cuda", torch.float16
+            if torch.cuda.is_bf16_supported():
+                yield "cuda", torch.bfloat16
+        else:
+            yield device, torch.get_autocast_dtype(device)
+
+
+def report_network(device: str = "cpu") -> nn.Sequential:
+    """The network of the bug report pytorch#88929, seeded: Linear(4,4) -> BatchNorm1d(4) -> Linear(4,5)."""
+    generator = torch.Generator().manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 5))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return net.to(device)
 
 
 def _layer_dtypes(net: nn.Sequential, device: str, dtype: torch.dtype) -> List[torch.dtype]:
@@ -54,18 +89,12 @@ def report_rows(device: str, dtype: torch.dtype) -> List[DemoRow]:
 
     The shim runs with the policy in force in this thread. Leaves the patch as it found it.
     """
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 5)).to(device)
+    net = report_network(device)
     policy = _patch.active_policy()
-    was_installed = _patch.is_installed()
-    try:
-        _patch.uninstall()
+    with _patch.uninstalled():
         without = _layer_dtypes(net, device, dtype)
-        _patch.install()
+    with _patch.installed():
         with_shim = _layer_dtypes(net, device, dtype)
-    finally:
-        if not was_installed:
-            _patch.uninstall()
     return [
         DemoRow(device, dtype, type(layer).__name__, a, b, expected_dtype(layer, dtype, policy))
         for layer, a, b in zip(net, without, with_shim)

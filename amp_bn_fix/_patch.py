@@ -23,7 +23,7 @@ import torch.nn.functional
 import wrapt
 
 from . import _buffers, _compat, _policy, _sync
-from ._config import Config
+from _amp_bn_fix_boot.settings import Config
 
 log = logging.getLogger("amp_bn_fix")
 
@@ -318,6 +318,31 @@ def _targets() -> List[Tuple[Any, str, Callable[..., Any]]]:
 
 def is_installed() -> bool:
     return bool(_handles)
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Within the block the patch is in place; afterwards as it was, even if the block raises."""
+    with _patched(True):
+        yield
+
+
+@contextlib.contextmanager
+def uninstalled() -> Iterator[None]:
+    """Within the block torch is plain (the patch removed); afterwards as it was, even if the block raises."""
+    with _patched(False):
+        yield
+
+
+@contextlib.contextmanager
+def _patched(on: bool) -> Iterator[None]:
+    was = is_installed()
+    install() if on else uninstall()
+    try:
+        yield
+    finally:
+        if was != on:
+            install() if was else uninstall()
 
 
 def _ours(owner: Any, name: str) -> List[wrapt.FunctionWrapper]:

@@ -11,7 +11,8 @@ import pytest
 for _name in [n for n in os.environ if n.startswith("AMP_BN_FIX")]:
     del os.environ[_name]
 
-from amp_bn_fix import _config, _patch  # noqa: E402
+from _amp_bn_fix_boot import settings
+from amp_bn_fix import _patch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -27,11 +28,11 @@ def fast_paths_for_small_inputs(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def default_shim():
-    _patch.configure(_config.Config())
+    _patch.configure(settings.Config())
     _patch.install()
     yield
     _patch._set_scopes(())
-    _patch.configure(_config.Config())
+    _patch.configure(settings.Config())
     _patch.install()
 
 

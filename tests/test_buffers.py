@@ -11,7 +11,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import amp_bn_fix
-from amp_bn_fix import _config, _patch
+from _amp_bn_fix_boot import settings
+from amp_bn_fix import _patch
 
 BF16 = torch.bfloat16
 
@@ -245,7 +246,7 @@ def test_cast_onto_a_device_type_left_out_is_torchs(keep):
 
 def test_bad_keep_value_names_the_allowed_ones():
     with pytest.raises(ValueError, match="AMP_BN_FIX_KEEP_FP32='half'.*stats, all, none"):
-        _config.from_env({"AMP_BN_FIX_KEEP_FP32": "half"})
+        settings.from_env({"AMP_BN_FIX_KEEP_FP32": "half"})
 
 
 def test_disable_restores_torchs_cast_and_enable_brings_it_back():

@@ -23,7 +23,7 @@ from torch import nn
 
 import amp_bn_fix
 from amp_bn_fix import _patch
-from amp_bn_fix._config import DEVICE_TYPES, KEEP_MODES, POLICIES, Config
+from _amp_bn_fix_boot.settings import DEVICE_TYPES, KEEP_MODES, POLICIES, Config
 
 # TorchScript says it is deprecated; these tests script on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.* is deprecated:DeprecationWarning")

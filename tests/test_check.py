@@ -1,6 +1,7 @@
 """``amp-bn-fix check``: versions, devices, settings and their sources, start-up hook, self-test."""
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import torch.nn.functional as F
 import wrapt
 
 import amp_bn_fix
-from _amp_bn_fix_boot import launcher
-from amp_bn_fix import _check, _policy
+from _amp_bn_fix_boot import cli as launcher
+from amp_bn_fix import _check, _patch, _policy
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def check(capsys):
@@ -33,11 +36,9 @@ def test_check_reports_versions_devices_patch_and_config(capsys):
     assert field(out, "wrapt") == [wrapt.__version__]
     assert field(out, "amp_bn_fix") == [amp_bn_fix.__version__]
     assert "autocast devices: cpu" in out
-    assert "patch: active in this process" in out
     assert field(out, "policy") == ["fp32", "default"]
-    assert field(out, "repr(F.batch_norm)")[0] == "<ShimWrapper"
-    assert "amp_bn_fix.is_enabled()" in out
     assert field(out, "guard") == ["1", "default"]
+    assert "a fresh interpreter here (import torch): torch is plain (no shim)" in out  # AMP_BN_FIX unset
 
 
 @pytest.mark.slow
@@ -53,7 +54,7 @@ def test_check_reports_where_each_setting_came_from(capsys):
     assert result.returncode == 0, result.stderr
     assert field(result.stdout, "policy") == ["autocast", "env"]
     assert field(result.stdout, "devices") == ["cpu", "env"]
-    assert field(result.stdout, "keep_fp32") == ["stats", "default"]
+    assert field(result.stdout, "keep_fp32") == ["all", "default"]
 
 
 @pytest.mark.slow
@@ -67,8 +68,8 @@ def test_check_reports_the_start_up_hook(capsys):
         env={**os.environ, "AMP_BN_FIX": "1"}, capture_output=True, text=True, timeout=120,
     )
     assert field(result.stdout, "AMP_BN_FIX") == ["'1'", "(on)"]
-    assert " ".join(field(result.stdout, "python processes")) == "enable the shim when they import torch"
-    assert " ".join(field(out, "python processes")).startswith("run without the shim unless they import amp_bn_fix")
+    assert result.returncode == 0, result.stdout
+    assert "a fresh interpreter here (import torch): the shim is enabled" in result.stdout
 
 
 def test_the_self_test_passes_on_each_device_and_leaves_the_patch_as_it_was(capsys):
@@ -76,8 +77,6 @@ def test_the_self_test_passes_on_each_device_and_leaves_the_patch_as_it_was(caps
     amp_bn_fix.disable()
     code, out = check(capsys)
     assert code == 0
-    assert "patch: not active in this process" in out
-    assert field(out, "repr(F.batch_norm)")[0] == "<function"
     rows = [line.split()[:3] for line in out.splitlines() if line.strip().startswith("cpu ")]
     assert rows == [["cpu", "float16", "ok"], ["cpu", "bfloat16", "ok"]]
     assert F.batch_norm is original
@@ -90,16 +89,59 @@ def test_the_self_test_fails_and_check_exits_non_zero_when_the_shim_does_nothing
     assert "FAIL" in out and "BatchNorm1d output is float16, expected float32" in out
 
 
-def test_the_self_test_compares_against_float64():
-    result = _check.self_test("cpu", torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_self_test_output_matches_float64(dtype):
+    result = _check.self_test("cpu", dtype)
     assert result.ok, result.detail
-    error = float(re.search(r"max \|error\| (\S+)", result.detail).group(1))
-    assert error < 1e-5
+    hidden, weight, bias, mean, var, out, new_mean, new_var = (t.double() for t in result.tensors)
+    mean64, var64 = mean.clone(), var.clone()
+    expected = F.batch_norm.__wrapped__(hidden, mean64, var64, weight, bias, True, 0.1, 1e-5)
+    assert result.tensors[5].dtype is torch.float32
+    torch.testing.assert_close(out, expected, rtol=0, atol=64 * torch.finfo(torch.float32).eps * (expected.abs().max().item() + 1))
+    torch.testing.assert_close(new_var, var64, rtol=0, atol=64 * torch.finfo(torch.float32).eps * (var64.abs().max().item() + 1))
+
+
+@pytest.mark.parametrize("devices, expected", [("cuda", "passed through: cpu is not in AMP_BN_FIX_DEVICES=cuda"),
+                                               ("cpu", "policy fp32")])
+def test_the_self_test_follows_the_configured_devices(devices, expected):
+    _patch.configure(_patch.current_config().replace(devices=frozenset({devices})))
+    result = _check.self_test("cpu", torch.bfloat16)
+    assert result.ok and expected in result.detail, result.detail
+    assert result.tensors[5].dtype is (torch.bfloat16 if devices == "cuda" else torch.float32)
+
+
+def run_check(env, cwd=None):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
+    script = os.path.join(os.path.dirname(sys.executable), "amp-bn-fix")
+    return subprocess.run([script, "check"], env={**full, **env}, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_check_fails_where_the_environment_would_not_get_the_shim(tmp_path):
+    bad_switch = run_check({"AMP_BN_FIX": "2"})
+    assert bad_switch.returncode == 1 and "AMP_BN_FIX='2' is not valid" in bad_switch.stdout
+    (tmp_path / "amp_bn_fix").mkdir()  # a folder of that name in the working directory
+    shadowed = run_check({"AMP_BN_FIX": "1"}, cwd=tmp_path)
+    assert shadowed.returncode == 1 and f"{tmp_path / 'amp_bn_fix'} shadows the installed amp_bn_fix" in shadowed.stdout
+    assert run_check({"AMP_BN_FIX": "1"}).returncode == 0
+
+
+def test_check_fails_where_the_hook_is_not_in_a_site_directory(tmp_path, monkeypatch, capsys):
+    # pip install --target DIR with PYTHONPATH=DIR: no site directory holds the start files.
+    from _amp_bn_fix_boot import status
+
+    monkeypatch.setattr(status, "_site_directories", lambda: [str(tmp_path)])
+    monkeypatch.setenv("AMP_BN_FIX", "1")
+    code, out = check(capsys)
+    assert code == 1
+    assert "the start-up hook is not in a site directory" in out
+    assert "installed   no (not in a site directory of this interpreter)" in out
 
 
 def test_check_with_a_bad_setting_is_a_clean_error():
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; from _amp_bn_fix_boot import launcher; sys.exit(launcher.main(['check']))"],
+        [sys.executable, "-c", "import sys; from _amp_bn_fix_boot import cli as launcher; sys.exit(launcher.main(['check']))"],
         env={**os.environ, "AMP_BN_FIX_POLICY": "bogus"}, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2

@@ -5,17 +5,17 @@ import sys
 
 import pytest
 
-from amp_bn_fix import _config
+from _amp_bn_fix_boot import settings
 
 
 def test_defaults():
-    config = _config.from_env({})
-    assert (config.policy, config.devices, config.keep_fp32, config.guard) == ("fp32", None, "stats", True)
+    config = settings.from_env({})
+    assert (config.policy, config.devices, config.keep_fp32, config.guard) == ("fp32", None, "all", True)
     assert set(config.sources.values()) == {"default"}
 
 
 def test_values_are_parsed_case_insensitively_and_sources_recorded():
-    config = _config.from_env(
+    config = settings.from_env(
         {
             "AMP_BN_FIX_POLICY": " Input ",
             "AMP_BN_FIX_DEVICES": "CUDA, cpu",
@@ -31,8 +31,8 @@ def test_values_are_parsed_case_insensitively_and_sources_recorded():
 
 
 def test_all_devices_and_empty_values_mean_default():
-    assert _config.from_env({"AMP_BN_FIX_DEVICES": "all", "AMP_BN_FIX_POLICY": ""}).devices is None
-    assert _config.from_env({"AMP_BN_FIX_POLICY": "  "}).policy == "fp32"
+    assert settings.from_env({"AMP_BN_FIX_DEVICES": "all", "AMP_BN_FIX_POLICY": ""}).devices is None
+    assert settings.from_env({"AMP_BN_FIX_POLICY": "  "}).policy == "fp32"
 
 
 @pytest.mark.parametrize(
@@ -48,22 +48,22 @@ def test_all_devices_and_empty_values_mean_default():
 )
 def test_bad_values_name_the_variable_the_value_and_the_choices(name, value, allowed):
     with pytest.raises(ValueError) as error:
-        _config.from_env({name: value})
+        settings.from_env({name: value})
     message = str(error.value)
     assert f"{name}={value!r}" in message and allowed in message
 
 
 def test_replace_records_the_source():
-    config = _config.Config().replace(policy="off")
+    config = settings.Config().replace(policy="off")
     assert config.policy == "off" and config.sources["policy"] == "API" and config.sources["guard"] == "default"
 
 
 def test_hook_switch():
-    assert not _config.hook_requested({})
-    assert _config.hook_requested({"AMP_BN_FIX": "1"})
-    assert not _config.hook_requested({"AMP_BN_FIX": "0"})
+    assert not settings.hook_requested({})
+    assert settings.hook_requested({"AMP_BN_FIX": "1"})
+    assert not settings.hook_requested({"AMP_BN_FIX": "0"})
     with pytest.raises(ValueError, match="AMP_BN_FIX='maybe'"):
-        _config.hook_requested({"AMP_BN_FIX": "maybe"})
+        settings.hook_requested({"AMP_BN_FIX": "maybe"})
 
 
 def run_python(code, **env):
@@ -74,12 +74,27 @@ def run_python(code, **env):
     return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
 
 
-def test_config_module_does_not_import_torch():
-    result = run_python("import sys, importlib.util as u; "
-                        "s = u.spec_from_file_location('c', %r); m = u.module_from_spec(s); sys.modules['c'] = m; "
-                        "s.loader.exec_module(m); "
-                        "m.from_env(); print('torch' in sys.modules)" % _config.__file__)
-    assert result.stdout.strip() == "False", result.stderr
+def test_the_torch_free_layer_imports_neither_torch_nor_amp_bn_fix():
+    code = ("import sys; from _amp_bn_fix_boot import cli, hook, names, settings, status; settings.from_env(); "
+            "cli.build_parser(); status.gather(); print(sorted(m for m in ('torch', 'wrapt', 'amp_bn_fix') if m in sys.modules))")
+    result = run_python(code)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_unknown_names_warn_with_the_closest_valid_one():
+    unknown = settings.unknown_names({"AMP_BN_FIX_POLCY": "input", "AMP_BN_FIX_GAURD": "0", "AMP_BN_FIX_XYZZY": "1",
+                                      "AMP_BN_FIX_POLICY": "fp32"})
+    assert unknown == [("AMP_BN_FIX_GAURD", "AMP_BN_FIX_GUARD"), ("AMP_BN_FIX_POLCY", "AMP_BN_FIX_POLICY"),
+                       ("AMP_BN_FIX_XYZZY", None)]
+    line = settings.describe_unknown(unknown)
+    assert "AMP_BN_FIX_POLCY (did you mean AMP_BN_FIX_POLICY?)" in line and "AMP_BN_FIX_XYZZY" in line
+
+
+@pytest.mark.slow
+def test_import_warns_once_about_an_unknown_name():
+    result = run_python("import warnings; warnings.simplefilter('error'); import amp_bn_fix", AMP_BN_FIX_POLCY="input")
+    assert result.returncode != 0
+    assert "RuntimeWarning: amp_bn_fix: unknown setting AMP_BN_FIX_POLCY (did you mean AMP_BN_FIX_POLICY?)" in result.stderr
 
 
 @pytest.mark.slow
@@ -98,8 +113,8 @@ def test_import_reads_the_environment():
 
 
 def test_config_is_immutable_and_hashable():
-    config = _config.from_env({"AMP_BN_FIX_POLICY": "input"})
+    config = settings.from_env({"AMP_BN_FIX_POLICY": "input"})
     with pytest.raises(TypeError):
         config.sources["policy"] = "API"  # type: ignore[index]
     assert config.sources["policy"] == "env"
-    assert hash(config) == hash(_config.Config(policy="input")) and config == _config.Config(policy="input")
+    assert hash(config) == hash(settings.Config(policy="input")) and config == settings.Config(policy="input")

@@ -2,7 +2,7 @@
 exactly the settings, commands and options the code has.
 
 The code side comes from the code itself, through ``code_settings`` and ``code_commands`` below (the
-settings module's ``ENV_*`` names, the ``amp-bn-fix`` argparse parser): repoint those two if the
+names module's ``ENV_NAMES``, the ``amp-bn-fix`` argparse parser): repoint those two if the
 code moves. The docs side is read from the reference tables of docs/configuration.md and
 docs/cli.md. A table row marked ``<!-- pending -->`` documents something that is not in the code
 yet: it must not be in the code, and once it is, the marker has to go.
@@ -16,8 +16,8 @@ import re
 import pytest
 
 import amp_bn_fix
-from _amp_bn_fix_boot import config, launcher
-from amp_bn_fix import _config, _patch
+from _amp_bn_fix_boot import cli, names, settings
+from amp_bn_fix import _patch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -27,7 +27,7 @@ PENDING = "<!-- pending -->"
 
 def code_settings():
     """The environment variables the code reads."""
-    return {value for name, value in vars(config.load()).items() if name.startswith("ENV_")}
+    return set(names.ENV_NAMES)
 
 
 def code_commands():
@@ -37,7 +37,7 @@ def code_commands():
         return {option for action in parser._actions if not isinstance(action, argparse._HelpAction)
                 for option in action.option_strings if option.startswith("--")}
 
-    parser = launcher.build_parser()
+    parser = cli.build_parser()
     commands = {"": options(parser)}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -47,8 +47,8 @@ def code_commands():
 
 # ------------------------------------------------------------------------------ docstring examples
 
-# Where the public API is documented: the package, and Config (defined in _config).
-MODULES = [amp_bn_fix, _config]
+# Where the public API is documented: the package, and Config (defined in settings).
+MODULES = [amp_bn_fix, settings]
 
 
 def examples(module):

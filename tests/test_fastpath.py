@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import amp_bn_fix
-from amp_bn_fix import _config, _kernels, _patch
+from _amp_bn_fix_boot import settings
+from amp_bn_fix import _kernels, _patch
 
 from _bounds import assert_near
 
@@ -553,7 +554,7 @@ def test_fp32_policy_double_backward_matches_the_reference(dtype):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_compiled_forward_and_backward_match_eager(backend, policy):
     torch._dynamo.reset()
-    _patch.configure(_config.Config().replace(policy=policy))
+    _patch.configure(settings.Config().replace(policy=policy))
     case = make_case(SHAPES["bn2d"], torch.bfloat16, "contiguous", True, affine=True, stats=True)
 
     def step(x, mean, var, w, b):

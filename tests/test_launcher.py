@@ -10,7 +10,7 @@ import sysconfig
 
 import pytest
 
-from _amp_bn_fix_boot import launcher
+from _amp_bn_fix_boot import cli as launcher
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = shutil.which("amp-bn-fix", path=os.path.dirname(sys.executable))
@@ -140,7 +140,7 @@ def test_run_imports_neither_torch_nor_amp_bn_fix():
     code = (
         "import os, sys\n"
         "os.execvpe = lambda file, args, env: sys.exit(print(args, 'torch' in sys.modules, 'amp_bn_fix' in sys.modules))\n"
-        "from _amp_bn_fix_boot import launcher\n"
+        "from _amp_bn_fix_boot import cli as launcher\n"
         "launcher.main(['run', '--', 'true'])\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -13,7 +13,8 @@ from torch.overrides import TorchFunctionMode
 
 import amp_bn_fix
 from _bounds import assert_near
-from amp_bn_fix import _config, _patch, _policy
+from _amp_bn_fix_boot import settings
+from amp_bn_fix import _patch, _policy
 
 ORIGINAL = F.batch_norm.__wrapped__
 
@@ -193,10 +194,10 @@ def test_enable_disable_from_many_threads_never_doubles_or_loses_the_patch():
 
 def test_devices_setting_selects_device_types():
     bn, x = nn.BatchNorm2d(3), torch.randn(4, 3, 2, 2).bfloat16()
-    _patch.configure(_patch.current_config().replace(devices=_config.parse_devices("cuda")))
+    _patch.configure(_patch.current_config().replace(devices=settings.parse_devices("cuda")))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert bn(x).dtype is torch.bfloat16  # cpu not selected: native
-    _patch.configure(_patch.current_config().replace(devices=_config.parse_devices("cuda,cpu")))
+    _patch.configure(_patch.current_config().replace(devices=settings.parse_devices("cuda,cpu")))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert bn(x).dtype is torch.float32
 

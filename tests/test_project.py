@@ -45,10 +45,15 @@ def test_ci_runs_the_readme_quick_start_verbatim():
     assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()  # a failing command fails CI
 
 
-def test_ci_runs_the_suite_on_the_oldest_supported_torch():
+def test_ci_runs_the_suite_on_the_oldest_and_newest_python_and_torch():
     (floor,) = re.findall(r"^torch>=([\d.]+)$", setup_cfg()["options"]["install_requires"], flags=re.M)
-    (version,) = re.findall(r"^tools/test_on_torch\.sh (\S+)", (ROOT / ".ci" / "run").read_text(), flags=re.M)
-    assert version.startswith(floor + ".")
+    runs = re.findall(r"tools/test_on_torch\.sh --python \"\$\(find_python ([\d.]+)\)\" (\S+)$",
+                      (ROOT / ".ci" / "run").read_text(), flags=re.M)
+    (oldest_python, oldest_torch), (newest_python, _) = runs
+    assert oldest_torch.startswith(floor + ".")
+    classifiers = setup_cfg()["metadata"]["classifiers"]
+    claimed = re.findall(r"Programming Language :: Python :: (3\.\d+)$", classifiers, flags=re.M)
+    assert (oldest_python, newest_python) == (claimed[0], claimed[-1])  # the range the classifiers claim
 
 
 def test_the_torch_version_script_keeps_its_environment_outside_the_clone():

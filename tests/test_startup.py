@@ -19,11 +19,11 @@ import zipfile
 
 import pytest
 
-from _amp_bn_fix_boot import hook
-from amp_bn_fix import _config
+from _amp_bn_fix_boot import hook, names, settings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-START_FILES = ("amp_bn_fix.pth", "amp_bn_fix.start")
+# What setup.py writes into every wheel, from the names module.
+START_FILES = {names.PTH_FILE: names.PTH_TEXT, names.START_FILE: names.START_TEXT}
 
 LOADED = """
 import json, sys
@@ -71,10 +71,10 @@ def test_the_start_files_are_installed_in_this_environment():
     for name in START_FILES:
         installed = [pathlib.Path(d, name) for d in directories if pathlib.Path(d, name).is_file()]
         assert installed, f"{name} is not in {directories}: reinstall the package"
-        assert installed[0].read_text() == (ROOT / name).read_text()
+        assert installed[0].read_text() == START_FILES[name]
 
 
-@pytest.mark.parametrize("value", [None, *_config._FALSE])
+@pytest.mark.parametrize("value", [None, *names.OFF_WORDS, " Off ", "NO"])
 def test_off_loads_nothing(value):
     result = python(LOADED, {} if value is None else {"AMP_BN_FIX": value})
     assert not any(report(result).values())
@@ -84,6 +84,22 @@ def test_off_loads_nothing(value):
 @pytest.mark.slow
 def test_off_leaves_torch_alone():
     assert report(python(SEED))["bn_out"] == "torch.bfloat16"
+
+
+# The hook called by hand (no site, so no .pth deciding first): its own reading of the switch.
+HOOK_ALONE = f"""
+import json, sys; sys.path.insert(0, {str(ROOT)!r})
+from _amp_bn_fix_boot import hook
+hook.start()
+print(json.dumps(hook.registered()))
+"""
+
+
+@pytest.mark.parametrize("value", [*names.OFF_WORDS, " Off ", *names.ON_WORDS, " ON "])
+def test_the_hook_reads_the_switch_as_the_settings_do(value):
+    expected = settings.parse_flag(value, names.ENV_ENABLE)
+    assert expected is (value.strip().lower() in names.ON_WORDS)
+    assert report(python(HOOK_ALONE, {"AMP_BN_FIX": value}, "-S")) is expected
 
 
 def test_on_loads_neither_torch_nor_wrapt_nor_amp_bn_fix_at_start_up():
@@ -216,11 +232,10 @@ def test_an_error_enabling_the_shim_is_one_warning_line_and_torch_imports(tmp_pa
     assert "enabling failed (RuntimeError: broken wrapt)" in line
 
 
-def test_a_settings_module_that_exits_is_one_warning_line_at_torch_import(tmp_path):
-    # A broken amp_bn_fix ahead of the installed one; the hook loads its settings from there.
+def test_a_package_that_exits_is_one_warning_line_at_torch_import(tmp_path):
+    # A broken amp_bn_fix ahead of the installed one.
     (tmp_path / "amp_bn_fix").mkdir()
-    (tmp_path / "amp_bn_fix" / "__init__.py").write_text("")
-    (tmp_path / "amp_bn_fix" / "_config.py").write_text("raise SystemExit(3)\n")
+    (tmp_path / "amp_bn_fix" / "__init__.py").write_text("raise SystemExit(3)\n")
     code = "import torch; print(type(torch.nn.functional.batch_norm).__name__)"
     result = python(code, {"AMP_BN_FIX": "1", "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
     assert (result.returncode, result.stdout.strip()) == (0, "function")
@@ -259,7 +274,7 @@ def test_a_moved_source_tree_is_one_warning_line_and_a_normal_run(tmp_path):
     # The .pth file in a site directory from which _amp_bn_fix_boot cannot be imported, as after
     # moving an editable install's source tree; read twice, as site does in a venv on Python 3.11.
     (tmp_path / "site").mkdir()
-    shutil.copy(ROOT / "amp_bn_fix.pth", tmp_path / "site")
+    (tmp_path / "site" / names.PTH_FILE).write_text(names.PTH_TEXT)
     code = f"import site\nfor _ in range(2): site.addsitedir({str(tmp_path / 'site')!r})\nprint('ran')"
     result = python(code, {"AMP_BN_FIX": "1"}, "-S", cwd=tmp_path)
     assert (result.returncode, result.stdout.strip()) == (0, "ran")
@@ -268,7 +283,7 @@ def test_a_moved_source_tree_is_one_warning_line_and_a_normal_run(tmp_path):
 
 
 def test_the_pth_file_is_one_import_line():
-    lines = [line for line in (ROOT / "amp_bn_fix.pth").read_text().splitlines() if not line.startswith("#")]
+    lines = [line for line in names.PTH_TEXT.splitlines() if not line.startswith("#")]
     assert len(lines) == 1 and lines[0].startswith("import ")
 
 
@@ -279,14 +294,14 @@ def test_an_explicit_import_with_a_bad_setting_still_raises():
 
 
 def test_the_start_file_names_the_function_the_pth_file_calls():
-    (entry,) = (ROOT / "amp_bn_fix.start").read_text().split()
+    (entry,) = names.START_TEXT.split()
     assert pkgutil.resolve_name(entry) is hook.start
-    assert "_amp_bn_fix_boot.hook').hook.start()" in (ROOT / "amp_bn_fix.pth").read_text()
+    assert "_amp_bn_fix_boot.hook').hook.start()" in names.PTH_TEXT
 
 
 def test_the_start_file_entry_point_enables_the_shim_as_python_3_15_would_call_it():
     # Without site (so without amp_bn_fix.pth), call the entry point the way PEP 829's site does.
-    (entry,) = (ROOT / "amp_bn_fix.start").read_text().split()
+    (entry,) = names.START_TEXT.split()
     paths = [str(ROOT), sysconfig.get_paths()["purelib"]]
     code = f"import pkgutil, sys; sys.path[:0] = {paths!r}; pkgutil.resolve_name({entry!r})()\n" + SEED
     assert report(python(code, {"AMP_BN_FIX": "1"}, "-S"))["bn_out"] == "torch.float32"
@@ -298,7 +313,7 @@ def test_wheels_ship_the_start_files_at_the_root_and_in_record(tmp_path, build):
     project = tmp_path / "project"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
     project.mkdir()
-    for name in ("setup.py", "setup.cfg", "pyproject.toml", "README.md", *START_FILES):
+    for name in ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, project / name)
     for package in ("amp_bn_fix", "_amp_bn_fix_boot"):
         shutil.copytree(ROOT / package, project / package, ignore=ignore)
@@ -312,7 +327,7 @@ def test_wheels_ship_the_start_files_at_the_root_and_in_record(tmp_path, build):
     lines = wheel.read(record).decode().splitlines()
     for name in START_FILES:
         data = wheel.read(name)  # at the root: installed into site-packages itself
-        assert data == (ROOT / name).read_bytes()
+        assert data == START_FILES[name].encode()
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
         assert f"{name},sha256={digest},{len(data)}" in lines  # so uninstalling removes it
     if build == "build_wheel":

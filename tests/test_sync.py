@@ -13,7 +13,7 @@ from torch.nn.modules import batchnorm as batchnorm_module
 
 import amp_bn_fix
 from amp_bn_fix import _patch
-from amp_bn_fix._config import Config
+from _amp_bn_fix_boot.settings import Config
 
 EPS, MOMENTUM = 1e-5, 0.1
 

@@ -15,13 +15,12 @@ def _start_hook() -> None:
     try:
         from _amp_bn_fix_boot import hook
     except BaseException as exc:
-        import logging
-
         if isinstance(exc, ModuleNotFoundError) and exc.name == "_amp_bn_fix_boot":
             problem = f"not installed for {sys.executable}"
         else:
             problem = f"start-up hook failed ({type(exc).__name__}: {exc})"
-        logging.getLogger("amp_bn_fix").warning("amp_bn_fix: %s; running without the shim", problem)
+        # The warning format lives in the package that could not be imported: the same line by hand.
+        sys.stderr.write(f"amp_bn_fix: {problem}; running without the shim\n")
         return
     hook.start()  # never raises
 

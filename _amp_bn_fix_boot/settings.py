@@ -1,17 +1,20 @@
-"""Configuration: the environment variables amp_bn_fix reads, parsed and validated.
+"""The settings: the environment variables amp_bn_fix reads, parsed and validated.
 
-This module imports neither torch nor wrapt, so the start-up hook can validate the environment
-before anything heavy is loaded. It holds no global state: :func:`from_env` returns a fresh
-:class:`Config` and the runtime (``_patch``) decides what to do with it.
+This module imports neither torch nor wrapt, so the start-up hook and the command line validate
+the environment before anything heavy is loaded, with the very code the package uses. It holds no
+global state: :func:`from_env` returns a fresh :class:`Config` and the runtime (``amp_bn_fix._patch``)
+decides what to do with it. Every problem is a ``ValueError`` naming the bad value and the allowed ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
-import sys
 from types import MappingProxyType
-from typing import Dict, FrozenSet, Mapping, Optional, Sequence
+from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
+
+from .names import ENV_DEVICES, ENV_ENABLE, ENV_GUARD, ENV_KEEP_FP32, ENV_NAMES, ENV_POLICY, OFF_WORDS, ON_WORDS
 
 POLICIES = ("fp32", "input", "autocast", "off")
 KEEP_MODES = ("stats", "all", "none")
@@ -29,16 +32,6 @@ DEVICE_TYPES = (
     "privateuseone",
 )
 
-ENV_ENABLE = "AMP_BN_FIX"
-ENV_POLICY = "AMP_BN_FIX_POLICY"
-ENV_DEVICES = "AMP_BN_FIX_DEVICES"
-ENV_KEEP_FP32 = "AMP_BN_FIX_KEEP_FP32"
-ENV_GUARD = "AMP_BN_FIX_GUARD"
-
-_TRUE = ("1", "true", "yes", "on")
-# The start-up hook (_amp_bn_fix_boot/hook.py) and amp_bn_fix.pth repeat these words so that an
-# interpreter with the switch off imports nothing; a test keeps the three in step.
-_FALSE = ("0", "false", "no", "off", "")
 
 
 def _allowed(values: tuple) -> str:
@@ -68,9 +61,9 @@ def parse_flag(value: object, what: str) -> bool:
         return value
     if isinstance(value, str):
         word = value.strip().lower()
-        if word in _TRUE:
+        if word in ON_WORDS:
             return True
-        if word in _FALSE:
+        if word in OFF_WORDS:
             return False
     raise _invalid(what, value, "1/true/yes/on or 0/false/no/off")
 
@@ -138,20 +131,10 @@ class Config:
 def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     """Read the ``AMP_BN_FIX_*`` variables of ``environ`` (default: this process's environment).
 
-    A bad value raises ``ValueError`` naming the variable, the value and the allowed values. One
-    case is different: ``python -m amp_bn_fix`` reads its own environment while the package is
-    imported, before its command line runs; there a bad value is the command's usage error, one
-    line on stderr and exit status 2, as with the ``amp-bn-fix`` console script.
+    Raises:
+        ValueError: for a bad value, naming the variable, the value and the allowed values.
     """
-    if environ is None:
-        try:
-            return _read(os.environ)
-        except ValueError as exc:
-            if running_the_command():
-                print(f"{COMMAND}: error: {exc} (from the environment)", file=sys.stderr)
-                raise SystemExit(2) from None
-            raise
-    return _read(environ)
+    return _read(os.environ if environ is None else environ)
 
 
 def _read(environ: Mapping[str, str]) -> Config:
@@ -167,40 +150,23 @@ def _read(environ: Mapping[str, str]) -> Config:
     return Config().replace("env", **changes) if changes else Config()
 
 
-def hook_requested(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether ``AMP_BN_FIX`` asks the start-up hook to enable the shim."""
-    return parse_flag(environ.get(ENV_ENABLE, "0"), ENV_ENABLE)
+def hook_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``AMP_BN_FIX`` asks the start-up hook to enable the shim (``ValueError`` if unreadable)."""
+    return parse_flag((os.environ if environ is None else environ).get(ENV_ENABLE, "0"), ENV_ENABLE)
 
 
-COMMAND = "amp-bn-fix"
-_MODULE_COMMANDS = ("amp_bn_fix", "amp_bn_fix.__main__")
-# Interpreter options that take a value (``-X dev``, ``-W error``): the value is not the script.
-_OPTIONS_WITH_VALUE = "WX"
+def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[Tuple[str, Optional[str]]]:
+    """``AMP_BN_FIX*`` variables amp_bn_fix does not read, each with the closest name it does read."""
+    environ = os.environ if environ is None else environ
+    found = []
+    for name in sorted(environ):
+        if name.upper().startswith(ENV_ENABLE) and name not in ENV_NAMES:
+            close = difflib.get_close_matches(name.upper(), ENV_NAMES, n=1, cutoff=0.8)
+            found.append((name, close[0] if close else None))
+    return found
 
 
-def running_the_command(argv: Optional[Sequence[str]] = None) -> bool:
-    """Whether this interpreter runs the ``amp-bn-fix`` command: its console script or ``python -m amp_bn_fix``.
-
-    ``argv`` is an interpreter command line as :data:`sys.orig_argv` holds it (the default), read
-    as far as the script, ``-m MODULE`` or ``-c CODE`` it runs.
-    """
-    arguments = iter(list(sys.orig_argv if argv is None else argv)[1:])
-    for argument in arguments:
-        if argument == "--check-hash-based-pycs":
-            next(arguments, None)
-            continue
-        if argument.startswith("--") and argument != "--":
-            continue
-        if argument == "--" or argument == "-" or not argument.startswith("-"):
-            script = next(arguments, "") if argument == "--" else argument
-            name = os.path.splitext(os.path.basename(script))[0]
-            return name in (COMMAND, COMMAND + "-script")
-        for index, letter in enumerate(argument[1:], start=1):
-            if letter in "cm" or letter in _OPTIONS_WITH_VALUE:
-                value = argument[index + 1 :] or next(arguments, "")
-                if letter == "c":
-                    return False
-                if letter == "m":
-                    return value in _MODULE_COMMANDS
-                break  # -W/-X: the rest of this argument (or the next one) was the value
-    return False
+def describe_unknown(unknown: List[Tuple[str, Optional[str]]]) -> str:
+    """One line naming the unknown variables (and what each probably meant)."""
+    parts = [f"{name} (did you mean {close}?)" if close else name for name, close in unknown]
+    return "unknown setting " + ", ".join(parts) + f"; amp_bn_fix reads {', '.join(ENV_NAMES)}"

@@ -1,0 +1,105 @@
+"""What start-up does in this environment, found without importing torch or amp_bn_fix.
+
+``python -m _amp_bn_fix_boot.status`` prints one line and exits 0 when a Python process of this
+environment gets the shim at ``import torch``, 1 when it does not; :func:`gather` returns the facts
+to a program. ``amp-bn-fix check`` reports them too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import site
+import sys
+from typing import List, NamedTuple, Optional, Tuple
+
+from . import settings
+from .names import BOOTSTRAP_DIR, ENV_ENABLE, ENV_NAMES, PACKAGE, START_FILES
+
+
+class StartupStatus(NamedTuple):
+    start_files: List[str]  # the start files found in this interpreter's site directories
+    bootstrap_on_path: bool  # ``amp-bn-fix run``'s bootstrap folder is on PYTHONPATH
+    switch: Optional[str]  # AMP_BN_FIX as set, None when unset
+    requested: bool  # AMP_BN_FIX asks for the shim
+    unknown: List[Tuple[str, Optional[str]]]  # misspelled AMP_BN_FIX_* names, with the closest valid one
+    problems: List[str]  # why a process asking for the shim would not get it
+
+    @property
+    def will_enable(self) -> bool:
+        """Whether ``import torch`` enables the shim in a process of this environment."""
+        return self.requested and not self.problems
+
+
+def shadowing_folder() -> Optional[str]:
+    """The folder that ``import amp_bn_fix`` would take for the package, if it is not the package.
+
+    A folder named ``amp_bn_fix`` without an ``__init__.py`` on ``sys.path`` (a clone of that name
+    seen from its parent, the working directory) imports as an empty namespace package.
+    """
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.origin not in (None, "namespace"):
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    return locations[0] if locations else None
+
+
+def describe_shadowing(folder: str) -> str:
+    return (f"the folder {folder} shadows the installed {PACKAGE} package (it has no __init__.py): "
+            "run from another directory, or rename it")
+
+
+def _site_directories() -> List[str]:
+    directories = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE:
+        directories.append(site.getusersitepackages())
+    return directories
+
+
+def gather(environ: Optional[dict] = None) -> StartupStatus:
+    environ = dict(os.environ if environ is None else environ)
+    files = [os.path.join(d, n) for d in _site_directories() for n in START_FILES if os.path.isfile(os.path.join(d, n))]
+    bootstrap = BOOTSTRAP_DIR in environ.get("PYTHONPATH", "").split(os.pathsep)
+    problems: List[str] = []
+    requested = False
+    try:
+        requested = settings.hook_requested(environ)
+    except ValueError as exc:
+        problems.append(str(exc))
+    try:
+        settings.from_env(environ)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if not files and not bootstrap:
+        problems.append(
+            f"the start-up hook is not in a site directory of {sys.executable} ({PACKAGE} installed with "
+            f"--target, or copied): reinstall it with {sys.executable} -m pip, or start the program "
+            "with amp-bn-fix run"
+        )
+    folder = shadowing_folder()
+    if folder is not None:
+        problems.append(describe_shadowing(folder))
+    return StartupStatus(files, bootstrap, environ.get(ENV_ENABLE), requested, settings.unknown_names(environ), problems)
+
+
+def summary(status: StartupStatus) -> str:
+    """One line: whether ``import torch`` enables the shim here, and if not, why."""
+    if status.will_enable:
+        return f"{PACKAGE}: the shim is enabled when a Python process of this environment imports torch"
+    if status.problems:
+        return f"{PACKAGE}: not enabled at import torch: " + "; ".join(status.problems)
+    given = [name for name in ENV_NAMES[1:] if name in os.environ]
+    note = f" ({', '.join(given)} set, but they apply only with it)" if given else ""
+    return f"{PACKAGE}: off: {ENV_ENABLE} is not set to 1{note}"
+
+
+def main() -> int:
+    status = gather()
+    print(summary(status))
+    if status.unknown:
+        print(f"{PACKAGE}: {settings.describe_unknown(status.unknown)}")
+    return 0 if status.will_enable else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
