@@ -110,9 +110,8 @@ def test_lazy_module_cast_before_materialization_gets_fp32_stats():
 
 
 def test_meta_model_materialized_with_to_empty_gets_fp32_stats():
-    amp_bn_fix.disable()
-    bn = nn.BatchNorm1d(4, device="meta").half()  # 16-bit meta stats from before the shim
-    amp_bn_fix.enable()
+    with _patch.uninstalled():
+        bn = nn.BatchNorm1d(4, device="meta").half()  # 16-bit meta stats from before the shim
     bn.to_empty(device="cpu")
     bn.reset_running_stats()
     assert bn.running_mean.device.type == "cpu" and bn.running_mean.dtype == torch.float32
@@ -132,9 +131,8 @@ def test_meta_model_materialized_with_to_empty_gets_fp32_stats():
 )
 def test_float32_and_float64_casts_behave_as_in_torch(cast):
     shimmed = cast(_model())
-    amp_bn_fix.disable()
-    plain = cast(_model())
-    amp_bn_fix.enable()
+    with _patch.uninstalled():
+        plain = cast(_model())
     for name in ("running_mean", "running_var", "weight", "bias", "num_batches_tracked"):
         got, want = getattr(shimmed[1], name), getattr(plain[1], name)
         assert got.dtype == want.dtype, name
@@ -281,10 +279,9 @@ def test_checkpoint_from_shimmed_half_model_loads_into_plain_torch():
 
 
 def test_old_all_half_checkpoint_loads_into_shimmed_model_as_fp32_stats():
-    amp_bn_fix.disable()
-    old = _round_trip(_model().half().state_dict())
+    with _patch.uninstalled():
+        old = _round_trip(_model().half().state_dict())
     assert old["1.running_mean"].dtype == torch.float16
-    amp_bn_fix.enable()
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half()
     model.load_state_dict(old)
     bn = model[1]
@@ -295,9 +292,8 @@ def test_old_all_half_checkpoint_loads_into_shimmed_model_as_fp32_stats():
 
 
 def test_fp32_checkpoint_into_shimmed_half_model_loses_nothing():
-    amp_bn_fix.disable()
-    state = _round_trip(_model().state_dict())
-    amp_bn_fix.enable()
+    with _patch.uninstalled():
+        state = _round_trip(_model().state_dict())
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half()
     model.load_state_dict(state)
     assert torch.equal(model[1].running_mean, MEAN) and torch.equal(model[1].running_var, VAR)
@@ -347,11 +343,8 @@ def _half_model(shim: bool, keep: str, seed: int) -> nn.Sequential:
     if shim:
         _keep(keep)
         return model.bfloat16()
-    amp_bn_fix.disable()
-    try:
+    with _patch.uninstalled():
         return model.bfloat16()
-    finally:
-        amp_bn_fix.enable()
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
@@ -375,13 +368,9 @@ def test_state_dicts_load_either_way(saved_by, loaded_by, keep, assign):
         # Every value arrives: exactly where the dtype stays, rounded once where it narrows.
         torch.testing.assert_close(loaded[name].to(tensor.dtype), tensor, rtol=torch.finfo(BF16).eps, atol=0)
     x = torch.randn(4, 3, 8, 8, dtype=BF16)
-    if loaded_by == "plain":
-        amp_bn_fix.disable()
-    try:
+    with _patch.uninstalled() if loaded_by == "plain" else _patch.installed():
         if loaded_by == "plain" and assign and saved_by == "shim" and keep == "stats":
             with pytest.raises(RuntimeError, match="expected scalar type"):
                 target(x)
         else:
             assert target(x).dtype is BF16
-    finally:
-        amp_bn_fix.enable()

@@ -11,7 +11,6 @@ what plain torch gives on a plain model of that dtype. The one documented except
 reject, so a model cast that way raises torch's own error wherever the shim cannot reach it.
 """
 
-import contextlib
 import io
 import itertools
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -42,15 +41,6 @@ assert set(DEVICES) - {"all"} <= set(DEVICE_TYPES)
 MEAN = torch.tensor([1 / 3, -2 / 7, 0.1, 1.7, -0.9, 1 / 9, 0.35, -1.3])
 VAR = torch.tensor([1 / 7, 3.3333, 0.11, 2.1, 0.7, 1.3, 0.55, 1 / 3])
 CHANNELS = len(MEAN)
-
-
-@contextlib.contextmanager
-def uninstalled():
-    amp_bn_fix.disable()
-    try:
-        yield
-    finally:
-        amp_bn_fix.enable()
 
 
 def _id(config: Config) -> str:
@@ -126,7 +116,7 @@ def plain(dtype: torch.dtype, training: bool, autocast: bool, scripted: bool) ->
     """The same run in plain torch: the shim disabled from the model's cast on (cached)."""
     key = (dtype, training, autocast, scripted)
     if key not in _plain_runs:
-        with uninstalled():
+        with _patch.uninstalled():
             net = model(dtype, training)
             _plain_runs[key] = run(torch.jit.script(net) if scripted else net, dtype, training, autocast)
     return _plain_runs[key]
@@ -198,7 +188,7 @@ def run_path(path: str, config: Config, dtype: torch.dtype, training: bool, auto
         return run(torch.jit.script(net), dtype, training, autocast)
     buffer = io.BytesIO()
     torch.save(net, buffer)
-    with uninstalled():
+    with _patch.uninstalled():
         if path == "disable":
             return run(net, dtype, training, autocast)
         buffer.seek(0)

@@ -47,12 +47,9 @@ def autocast():
 
 
 def plain_torch(fn):
-    """``fn()`` with the shim disabled (plain torch), then enabled again."""
-    amp_bn_fix.disable()
-    try:
+    """``fn()`` with the shim disabled (plain torch), then as it was."""
+    with _patch.uninstalled():
         return fn()
-    finally:
-        amp_bn_fix.enable()
 
 
 def stats(model):
