@@ -20,7 +20,7 @@ import sys
 from typing import Callable, List, Optional, Sequence
 
 from . import settings
-from .names import BOOTSTRAP_DIR, COMMAND, ENV_DEVICES, ENV_ENABLE, ENV_GUARD, ENV_KEEP_FP32, ENV_POLICY
+from .names import BOOTSTRAP_DIR, COMMAND, ENV_DEVICES, ENV_ENABLE, ENV_GUARD, ENV_KEEP_FP32, ENV_POLICY, ENV_REPORT
 
 PROG = COMMAND
 
@@ -112,7 +112,7 @@ def add_run_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser
     """Add the ``run`` command to ``commands`` (the subparsers of the ``amp-bn-fix`` parser)."""
     parser = commands.add_parser(
         "run",
-        usage=f"{PROG} run [-h] [--policy P] [--devices D] [--keep-fp32 K] [--guard G] -- CMD [ARGS...]",
+        usage=f"{PROG} run [-h] [--policy P] [--devices D] [--keep-fp32 K] [--guard G] [--report] -- CMD [ARGS...]",
         help="run a command with the shim enabled in all of its Python processes",
         description="Run CMD with AMP_BN_FIX=1 and a start-up hook on PYTHONPATH, so that every "
         "Python process it starts (torchrun workers included) enables the shim when it imports torch.",
@@ -131,13 +131,15 @@ def add_run_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser
         help=f"{', '.join(settings.KEEP_MODES)}; sets {ENV_KEEP_FP32}",
     )
     parser.add_argument("--guard", type=_guard, metavar="G", help=f"1 or 0; sets {ENV_GUARD}")
+    parser.add_argument("--report", action="store_true",
+                        help=f"each Python process writes a one-line summary of what the shim did to stderr at exit; sets {ENV_REPORT}=1")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
     parser.set_defaults(func=lambda args: run(parser, args))
     return parser
 
 
 def environment(policy: Optional[str], devices: Optional[str], base: Optional[dict] = None,
-                keep_fp32: Optional[str] = None, guard: Optional[str] = None) -> dict:
+                keep_fp32: Optional[str] = None, guard: Optional[str] = None, report: bool = False) -> dict:
     """The environment ``run`` gives its command: ``base`` (default: ours) with the shim switched on.
 
     Raises:
@@ -145,7 +147,9 @@ def environment(policy: Optional[str], devices: Optional[str], base: Optional[di
     """
     env = dict(os.environ if base is None else base)
     env[ENV_ENABLE] = "1"
-    for name, value in ((ENV_POLICY, policy), (ENV_DEVICES, devices), (ENV_KEEP_FP32, keep_fp32), (ENV_GUARD, guard)):
+    settings_given = ((ENV_POLICY, policy), (ENV_DEVICES, devices), (ENV_KEEP_FP32, keep_fp32), (ENV_GUARD, guard),
+                      (ENV_REPORT, "1" if report else None))
+    for name, value in settings_given:
         if value is not None:
             env[name] = value
     settings.from_env(env)
@@ -161,7 +165,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not command:
         parser.error("missing the command to run, e.g. amp-bn-fix run -- python train.py")
     try:
-        env = environment(args.policy, args.devices, keep_fp32=args.keep_fp32, guard=args.guard)
+        env = environment(args.policy, args.devices, keep_fp32=args.keep_fp32, guard=args.guard, report=args.report)
     except ValueError as exc:
         return _error(f"{exc} (from the environment)")
     try:

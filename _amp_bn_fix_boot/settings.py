@@ -14,7 +14,7 @@ import os
 from types import MappingProxyType
 from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
 
-from .names import ENV_DEVICES, ENV_ENABLE, ENV_GUARD, ENV_KEEP_FP32, ENV_NAMES, ENV_POLICY, OFF_WORDS, ON_WORDS
+from .names import ENV_DEVICES, ENV_ENABLE, ENV_GUARD, ENV_KEEP_FP32, ENV_NAMES, ENV_POLICY, ENV_REPORT, OFF_WORDS, ON_WORDS
 
 POLICIES = ("fp32", "input", "autocast", "off")
 KEEP_MODES = ("stats", "all", "none")
@@ -147,12 +147,18 @@ def _read(environ: Mapping[str, str]) -> Config:
         changes["keep_fp32"] = check_keep_fp32(environ[ENV_KEEP_FP32], ENV_KEEP_FP32)
     if environ.get(ENV_GUARD, "").strip():
         changes["guard"] = parse_flag(environ[ENV_GUARD], ENV_GUARD)
+    report_requested(environ)  # a bad value is an error like any other setting's
     return Config().replace("env", **changes) if changes else Config()
 
 
 def hook_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
     """Whether ``AMP_BN_FIX`` asks the start-up hook to enable the shim (``ValueError`` if unreadable)."""
     return parse_flag((os.environ if environ is None else environ).get(ENV_ENABLE, "0"), ENV_ENABLE)
+
+
+def report_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether ``AMP_BN_FIX_REPORT`` asks for a summary of the counters at exit (``ValueError`` if unreadable)."""
+    return parse_flag((os.environ if environ is None else environ).get(ENV_REPORT, "0"), ENV_REPORT)
 
 
 def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[Tuple[str, Optional[str]]]:

@@ -30,16 +30,19 @@ A bad value makes the import raise ``ValueError``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-from typing import Iterator, Optional
-
 import warnings
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional
 
 from _amp_bn_fix_boot import settings as _settings
 from _amp_bn_fix_boot._version import __version__
 from _amp_bn_fix_boot.settings import Config
 
-from . import _patch
+from . import _patch, _record
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Config",
@@ -50,6 +53,7 @@ __all__ = [
     "get_policy",
     "is_enabled",
     "policy",
+    "report",
     "set_policy",
 ]
 
@@ -201,7 +205,34 @@ def get_config() -> Config:
     return _patch.current_config()
 
 
+def report(model: Optional["torch.nn.Module"] = None) -> Dict[str, Any]:
+    r"""What the shim has done in this process: counters, read now.
+
+    Returns:
+        ``{"handled": {policy: calls}, "passed_through": calls, "guard_skips": {module: skips}}``:
+        the calls the shim computed, per policy in force (``off`` for the ``stats`` models it computes
+        anyway), the calls it left to torch, and per BatchNorm module the training steps whose
+        running-stat update the guard skipped. Modules are named by their path in ``model`` when
+        given, else by type and address. Counting costs no host-device sync; reading the guard's
+        counters of tensors on a device here does. Calls made by compiled code are not counted
+        (their tracing is).
+
+    Example::
+
+        >>> import torch, amp_bn_fix
+        >>> bn = torch.nn.BatchNorm1d(4)
+        >>> before = amp_bn_fix.report()["handled"].get("fp32", 0)
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     _ = bn(torch.randn(8, 4, dtype=torch.bfloat16))
+        >>> amp_bn_fix.report()["handled"]["fp32"] - before
+        1
+    """
+    return _record.snapshot(model)
+
+
 _patch.configure(_settings.from_env())
+if _settings.report_requested():
+    atexit.register(_record.print_summary)
 if _settings.unknown_names():
     warnings.warn(f"amp_bn_fix: {_settings.describe_unknown(_settings.unknown_names())}", RuntimeWarning, stacklevel=2)
 if _patch.current_config().policy != "off":

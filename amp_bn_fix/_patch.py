@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional
 import wrapt
 
-from . import _buffers, _compat, _policy, _sync
+from . import _buffers, _compat, _policy, _record, _sync
 from _amp_bn_fix_boot.settings import Config
 
 log = logging.getLogger("amp_bn_fix")
@@ -31,6 +31,7 @@ _F16 = torch.float16
 _BF16 = torch.bfloat16
 _F32 = torch.float32
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_counts = _record.counts
 
 
 class _ThreadState(threading.local):
@@ -140,14 +141,14 @@ _Wrapper = Callable[[Callable[..., torch.Tensor], Any, tuple, dict], torch.Tenso
 def _policy_wrapper(
     bind: Callable[..., Any],
     as_batch_norm_call: Callable[[Any], _policy.BatchNormCall],
-    compute: Callable[[Callable[..., torch.Tensor], Any, torch.dtype, bool], torch.Tensor],
+    compute: Callable[..., torch.Tensor],
     compute_recorded: Callable[[Callable[..., torch.Tensor], Any, str, torch.dtype, bool], torch.Tensor],
 ) -> _Wrapper:
     """A wrapt wrapper that applies the policy to one batch-norm entry point.
 
     ``bind`` names the entry point's arguments (``TypeError`` for a malformed call),
     ``as_batch_norm_call`` presents them as ``F.batch_norm``'s for the policy,
-    ``compute(original, call, out_dtype, guard)`` computes a handled call, and
+    ``compute(original, call, out_dtype, guard, on_check)`` computes a handled call, and
     ``compute_recorded(original, call, policy, region_dtype, guard)`` one that strict export
     traces inside an autocast region it records without entering.
     """
@@ -158,6 +159,7 @@ def _policy_wrapper(
         input = args[0] if args else kwargs.get("input")
         dtype = getattr(input, "dtype", None)
         if dtype is not _F16 and dtype is not _BF16 and (dtype is not _F32 or not _function_mode_enabled()):
+            _counts.passed += 1
             return wrapped(*args, **kwargs)
         thread, config = _thread, _config
         # Re-entered from inside a handled call, or a reference kept after disable().
@@ -166,6 +168,7 @@ def _policy_wrapper(
         try:
             call = bind(*args, **kwargs)
         except TypeError:
+            _counts.passed += 1
             return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
         device_type = input.device.type
         selected = config.devices is None or device_type in config.devices
@@ -176,16 +179,19 @@ def _policy_wrapper(
             if region_dtype is not None:
                 return _inside(compute_recorded, wrapped, call, policy, region_dtype, guard)
         if dtype is _F32:
+            _counts.passed += 1
             return wrapped(*args, **kwargs)
         bn_call = as_batch_norm_call(call)
         out_dtype = _policy.output_dtype(policy, bn_call)
         if out_dtype is None:
             if not _policy.left_by_keep_stats(bn_call):
+                _counts.passed += 1
                 return wrapped(*args, **kwargs)
             # A model cast with AMP_BN_FIX_KEEP_FP32=stats, which torch's kernels reject: the
             # arithmetic is FP32, the rest is the pass-through's (input dtype, no guard).
             out_dtype, guard = dtype, False
-        return _inside(compute, wrapped, call, out_dtype, guard)
+        _record.handled(policy)
+        return _inside(compute, wrapped, call, out_dtype, guard, _record.guard_checked)
 
     return wrapper
 

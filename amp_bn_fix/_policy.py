@@ -7,7 +7,7 @@ Device-agnostic and stateless. The runtime (``_patch``) passes in the original
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -150,8 +150,14 @@ def _working_stat(stat: Optional[torch.Tensor], updates: bool, guard: bool) -> O
     return stat.detach().to(torch.float32, copy=True)
 
 
+# Told, in plain eager mode, what the guard decided for a running mean: True or False when it was
+# decided on the host, a 0-dim bool tensor (all finite) when on the device. Called with no sync.
+GuardCheck = Callable[[torch.Tensor, Union[bool, torch.Tensor]], None]
+
+
 @torch.no_grad()
-def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], guard: bool, eager: bool) -> None:
+def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], guard: bool, eager: bool
+                ) -> Optional[torch.Tensor]:
     """Copy the updated working stats into the caller's tensors.
 
     In plain eager mode the copy goes through ``.data``, like the native kernels' update: it bumps
@@ -159,6 +165,7 @@ def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], 
     works. Anywhere else (tracers, ``torch.func`` transforms, where ``.data`` is invisible or
     forbidden) it is an ordinary in-place copy, which every tracer records as a buffer update.
     """
+    finite = None
     if guard:
         # Device-side select, no host sync: a non-finite batch leaves the stats exactly as they were.
         finite = torch.isfinite(torch.cat(new)).all()
@@ -166,6 +173,7 @@ def _write_back(stats: Tuple[torch.Tensor, ...], new: Tuple[torch.Tensor, ...], 
     for stat, value in zip(stats, new):
         if value is not stat:
             (stat.data if eager else stat).copy_(value)
+    return finite
 
 
 def _stackable(running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor]) -> bool:
@@ -181,7 +189,8 @@ def _stackable(running_mean: Optional[torch.Tensor], running_var: Optional[torch
     )
 
 
-def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Tensor, on_host: bool) -> None:
+def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Tensor, on_host: bool
+                        ) -> Union[bool, torch.Tensor]:
     """Write ``work`` (the two updated stats, stacked) into ``stats`` only if it is all finite.
 
     The old values stay bit for bit, so a non-finite batch leaves the stats exactly as they were.
@@ -190,17 +199,20 @@ def _guarded_write_back(stats: Tuple[torch.Tensor, torch.Tensor], work: torch.Te
     (which propagates NaN) decides and the stats are copied only when every value is finite, the
     fewest kernels. Otherwise the decision stays on the device (no host sync): one check over both
     stats (``amax`` propagates NaN, and the largest magnitude is finite only if every value is)
-    and one in-place select per stat.
+    and one in-place select per stat. Returns whether the stats were written (a 0-dim tensor on
+    the device).
     """
     if on_host:
         low, high = torch.aminmax(work)
-        if math.isfinite(low.item()) and math.isfinite(high.item()):
+        written = math.isfinite(low.item()) and math.isfinite(high.item())
+        if written:
             stats[0].data.copy_(work[0])
             stats[1].data.copy_(work[1])
-        return
+        return written
     finite = work.abs().amax() < _INF
     torch.where(finite, work[0], stats[0].data, out=stats[0].data)
     torch.where(finite, work[1], stats[1].data, out=stats[1].data)
+    return finite
 
 
 def with_working_stats(
@@ -210,31 +222,37 @@ def with_working_stats(
     guard: bool,
     eager: bool,
     compute: Callable[[Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor],
+    on_check: Optional[GuardCheck] = None,
 ) -> torch.Tensor:
     """``compute(mean, var)`` on FP32 running stats, then the update written back to the caller's.
 
     FP32 stats that need no protection are passed as they are (updated in place); others, and
     all of them with ``guard`` in training, as FP32 copies written back afterwards, which the
     guard skips when the new statistics are not finite. ``eager``: the call runs in plain eager
-    mode (see :func:`_write_back`).
+    mode (see :func:`_write_back`); there ``on_check`` hears each decision of the guard.
     """
     if updates and guard and eager and _stackable(running_mean, running_var):
         # The guard's common case, FP32 stats: one copy of both, updated by ``compute``. Plain eager
         # only: under torch.func transforms a kernel's update of a view of the stack is not seen.
         work = torch.stack((running_mean.detach(), running_var.detach()))  # type: ignore[union-attr]
         out = compute(work[0], work[1])
-        _guarded_write_back((running_mean, running_var), work, work.is_cpu)  # type: ignore[arg-type]
+        finite = _guarded_write_back((running_mean, running_var), work, work.is_cpu)  # type: ignore[arg-type]
+        if on_check is not None:
+            on_check(running_mean, finite)  # type: ignore[arg-type]
         return out
     work_mean = _working_stat(running_mean, updates, guard)
     work_var = _working_stat(running_var, updates, guard)
     out = compute(work_mean, work_var)
     if updates and running_mean is not None and running_var is not None:
         if work_mean is not running_mean or work_var is not running_var:
-            _write_back((running_mean, running_var), (work_mean, work_var), guard, eager)  # type: ignore[arg-type]
+            finite = _write_back((running_mean, running_var), (work_mean, work_var), guard, eager)  # type: ignore[arg-type]
+            if finite is not None and eager and on_check is not None:
+                on_check(running_mean, finite)
     return out
 
 
-def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard: bool) -> torch.Tensor:
+def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard: bool,
+                    on_check: Optional[GuardCheck] = None) -> torch.Tensor:
     """Compute ``call`` with FP32 statistics, normalization and running-stat update.
 
     Autocast is off inside so nothing recasts half-way; the result is cast to ``out_dtype``.
@@ -256,7 +274,7 @@ def fp32_batch_norm(original, call: BatchNormCall, out_dtype: torch.dtype, guard
                 return _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
             return original(to_fp32(input), mean, var, weight, bias, training, momentum, eps)
 
-    out = with_working_stats(running_mean, running_var, bool(training), guard, eager, compute)
+    out = with_working_stats(running_mean, running_var, bool(training), guard, eager, compute, on_check)
     return out if out.dtype is out_dtype else out.to(out_dtype)
 
 

@@ -44,7 +44,8 @@ def as_batch_norm_call(call: SyncCall) -> _policy.BatchNormCall:
 
 
 def fp32_sync_batch_norm(
-    original: Callable[..., torch.Tensor], call: SyncCall, out_dtype: torch.dtype, guard: bool
+    original: Callable[..., torch.Tensor], call: SyncCall, out_dtype: torch.dtype, guard: bool,
+    on_check: Optional[_policy.GuardCheck] = None,
 ) -> torch.Tensor:
     """Run the syncing ``original`` on FP32 tensors; the result is cast to ``out_dtype``.
 
@@ -67,5 +68,5 @@ def fp32_sync_batch_norm(
             )
 
     eager = plain_eager(call.input, call.weight, call.bias, call.running_mean, call.running_var)
-    out = _policy.with_working_stats(call.running_mean, call.running_var, True, guard, eager, compute)
+    out = _policy.with_working_stats(call.running_mean, call.running_var, True, guard, eager, compute, on_check)
     return out if out.dtype is out_dtype else out.to(out_dtype)

@@ -1,0 +1,127 @@
+"""What the shim did: calls handled per policy, passed through, guard skips per module (``report()``)."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import amp_bn_fix
+from _amp_bn_fix_boot import cli, settings
+from amp_bn_fix import _policy, _record
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Sequential(nn.BatchNorm2d(8)))
+
+
+def image(bad=False):
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    if bad:
+        x[0, 0, 0, 0] = float("inf")
+    return x
+
+
+@pytest.fixture(autouse=True)
+def fresh_record():
+    _record.reset()
+    yield
+    _record.reset()
+
+
+def test_calls_are_counted_per_policy_and_passed_through():
+    net = model()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        net(image())
+        with amp_bn_fix.policy("input"):
+            net(image())
+        with amp_bn_fix.policy("off"):
+            net(image())
+    net(image())  # FP32, no autocast: two pass-throughs
+    # fp32: the second BatchNorm gets the first one's FP32 output, which it passes through.
+    assert amp_bn_fix.report() == {"handled": {"fp32": 1, "input": 2}, "passed_through": 5, "guard_skips": {}}
+
+
+def test_guard_skips_are_counted_per_module_and_warned_once():
+    net = model()
+    with torch.autocast("cpu", dtype=torch.bfloat16), amp_bn_fix.policy("input"):  # both BatchNorms handled
+        net(image())
+        with pytest.warns(RuntimeWarning, match=r"guard kept the running stats of BatchNorm2d\(8\) at 0x"):
+            net(image(bad=True))  # inf reaches both BatchNorms
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            net(image(bad=True))  # counted, not warned again
+    assert amp_bn_fix.report(net)["guard_skips"] == {"1": 2, "3.0": 2}
+    unnamed = amp_bn_fix.report()["guard_skips"]
+    assert sorted(unnamed.values()) == [2, 2] and all(name.startswith("BatchNorm2d(8) at 0x") for name in unnamed)
+
+
+def test_guard_off_counts_no_skips():
+    _patch_guard(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model()(image(bad=True))
+    assert amp_bn_fix.report()["guard_skips"] == {}
+
+
+def _patch_guard(on):
+    from amp_bn_fix import _patch
+
+    _patch.configure(_patch.current_config().replace(guard=on))
+
+
+def test_device_side_decisions_are_counted_without_reading_them():
+    # The decision the guard makes on a device: a 0-dim tensor, added to a device counter.
+    bn = nn.BatchNorm2d(4)
+    stats = (bn.running_mean, bn.running_var)
+    bad = torch.stack((torch.full((4,), float("nan")), torch.ones(4)))
+    finite = _policy._guarded_write_back(stats, bad, on_host=False)
+    assert isinstance(finite, torch.Tensor) and not finite.item()
+    calls = []
+    original_item = torch.Tensor.item
+    try:
+        torch.Tensor.item = lambda self: calls.append(1) or original_item(self)
+        _record.guard_checked(bn.running_mean, finite)
+        _record.guard_checked(bn.running_mean, finite)
+        _record.guard_checked(bn.running_mean, torch.tensor(True))
+        assert not calls  # nothing read while counting
+    finally:
+        torch.Tensor.item = original_item
+    assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"] == {"0": 2}
+
+
+def test_the_report_setting_is_validated_like_the_others():
+    assert settings.report_requested({"AMP_BN_FIX_REPORT": "1"}) is True
+    with pytest.raises(ValueError, match="AMP_BN_FIX_REPORT='sometimes' is not valid"):
+        settings.from_env({"AMP_BN_FIX_REPORT": "sometimes"})
+    env = cli.environment(None, None, {}, report=True)
+    assert env["AMP_BN_FIX_REPORT"] == "1"
+
+
+@pytest.mark.slow
+def test_a_summary_line_at_exit():
+    code = ("import torch, amp_bn_fix\nbn = torch.nn.BatchNorm1d(4)\n"
+            "with torch.autocast('cpu', dtype=torch.bfloat16):\n    bn(torch.randn(8, 4, dtype=torch.bfloat16))\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}, "AMP_BN_FIX_REPORT": "1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "amp_bn_fix: calls handled: 1 fp32; passed through: 0; guard skips: 0")
+
+
+@pytest.mark.cuda
+def test_cuda_guard_skips_are_counted_without_a_sync():
+    bn = nn.BatchNorm2d(8).cuda()
+    x = torch.randn(4, 8, 16, 16, device="cuda")
+    x[0, 0, 0, 0] = float("inf")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.float16):
+            bn(x.half())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"] == {"0": 1}
