@@ -95,7 +95,8 @@ class ShimWrapper(wrapt.FunctionWrapper):
         # it (an AttributeError raised and cleared: half of the wrapper's cost). A module's function
         # is never bound to an instance, so it is given the "staticmethod" binding, whose calls go
         # straight to the wrapper.
-        super(wrapt.FunctionWrapper, self).__init__(wrapped, None, wrapper, None, "staticmethod")
+        # wrapt has no public spelling for it: its base class's keyword, pinned by a test.
+        super(wrapt.FunctionWrapper, self).__init__(wrapped, None, wrapper, binding="staticmethod")
 
     def __copy__(self) -> "ShimWrapper":
         return self
@@ -121,7 +122,7 @@ def _lookup(module: str, name: str) -> Any:
         return None
 
 
-def _is_ours(obj: Any) -> bool:
+def _is_shim_wrapper(obj: Any) -> bool:
     """Whether ``obj`` is an amp_bn_fix wrapper, from this incarnation of the module or an earlier one."""
     return getattr(type(obj), "_amp_bn_fix_wrapper", False) is True
 
@@ -172,7 +173,7 @@ def _policy_wrapper(
             return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
         device_type = input.device.type
         selected = config.devices is None or device_type in config.devices
-        policy = _call_policy(config) if selected else "off"
+        policy = _policy_noting_compiled(config) if selected else "off"
         guard = config.guard
         if policy != "off":
             region_dtype = _compat.recorded_autocast_dtype(device_type)
@@ -266,7 +267,7 @@ def _scope_policy() -> Optional[str]:
     return scopes[-1].policy if scopes else None
 
 
-def _call_policy(config: Config) -> str:
+def _policy_noting_compiled(config: Config) -> str:
     """The policy for one handled call; recorded when torch.compile traces the call."""
     policy = _scope_policy() or config.policy
     # Strict torch.export traces with dynamo too, but keeps no compiled code a scope could miss.
@@ -351,9 +352,16 @@ def _patched(on: bool) -> Iterator[None]:
             install() if was else uninstall()
 
 
-def _ours(owner: Any, name: str) -> List[wrapt.FunctionWrapper]:
+def _shim_wrappers_at(owner: Any, name: str) -> List[wrapt.FunctionWrapper]:
     """Every amp_bn_fix wrapper in the chain at ``owner.name``, outermost first."""
-    return [w for w in wrapt.wrapper_chain(wrapt.resolve_path(owner, name)[2]) if _is_ours(w)]
+    return [w for w in wrapt.wrapper_chain(wrapt.resolve_path(owner, name)[2]) if _is_shim_wrapper(w)]
+
+
+def _qualname(owner: Any, name: str) -> str:
+    """``torch.nn.functional.batch_norm`` for a module's function, ``module.Class.name`` for a class's."""
+    if isinstance(owner, types.ModuleType):
+        return f"{owner.__name__}.{name}"
+    return f"{owner.__module__}.{owner.__qualname__}.{name}"
 
 
 def install() -> bool:
@@ -368,7 +376,7 @@ def install() -> bool:
         applied = False
         for owner, name, wrapper in _targets():
             if (owner, name) not in _handles:
-                for stale in _ours(owner, name):
+                for stale in _shim_wrappers_at(owner, name):
                     wrapt.unwrap_object(owner, name, stale)
                 _handles[owner, name] = wrapt.wrap_object(owner, name, ShimWrapper, (wrapper, isinstance(owner, types.ModuleType)))
                 applied = True
@@ -389,7 +397,20 @@ def uninstall() -> bool:
     with _lock:
         found, removed_all = False, True
         for owner, name, _ in reversed(_targets()):
-            for handle in _ours(owner, name):
+            chain = _shim_wrappers_at(owner, name)
+            recorded = _handles.get((owner, name))
+            if recorded is not None and not any(handle is recorded for handle in chain):
+                # Replaced by something that keeps no ``__wrapped__``: the shim is out of reach.
+                found, removed_all = True, False
+                warnings.warn(
+                    f"amp_bn_fix: disable() cannot remove the shim from {_qualname(owner, name)}: another "
+                    f"library replaced it with {getattr(owner, name)!r}, which calls the shim but does not "
+                    "say what it wraps (no __wrapped__), so the shim stays active under it. Undo that "
+                    "library's patch first, then call amp_bn_fix.disable().",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            for handle in chain:
                 found = True
                 try:
                     wrapt.unwrap_object(owner, name, handle)

@@ -593,3 +593,26 @@ def test_vmap_and_functional_call():
     ORIGINAL(xs[0].double(), mean64, var64, training=True)
     assert_near(state["running_mean"], mean64, xs[0].numel() // xs.shape[2], what="running mean")
     assert torch.equal(bn.running_mean, torch.zeros(3))
+
+
+def test_disable_under_a_wrapper_without_wrapped_says_the_shim_stays(monkeypatch):
+    inner = F.batch_norm
+
+    def foreign(*args, **kwargs):  # another library's patch, keeping no __wrapped__
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(F, "batch_norm", foreign)
+    with pytest.warns(RuntimeWarning, match=r"cannot remove the shim from torch\.nn\.functional\.batch_norm.*"
+                      r"no __wrapped__.*stays active"):
+        amp_bn_fix.disable()
+    assert amp_bn_fix.is_enabled()
+    x = torch.randn(4, 3, 2, 2).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.batch_norm(x, None, None, training=True).dtype is torch.float32  # still the shim's
+
+
+def test_the_wrapper_binds_as_a_static_function():
+    # Set through wrapt's base class (no public spelling): a function binding would look up
+    # ``__self__`` on every call. If wrapt renames or reorders it, this fails.
+    assert F.batch_norm._self_binding == "staticmethod"
+    assert F.batch_norm._self_instance is None and F.batch_norm.__wrapped__ is ORIGINAL
