@@ -29,20 +29,24 @@ from typing import List, Optional, Tuple
 import torch
 
 _aten = torch.ops.aten
-# Where the FP32 training fast path pays: its dozen small ops pay back on inputs of a quarter of a
-# million values with at least 1536 per channel, and :func:`_batch_stats` needs rows (one sample,
-# one channel) of at least 32 values to be quick. Measured fwd+bwd, fast / reference:
-# (32,256,14,14) 0.66, (32,512,7,7) 0.77, (8,96,24,24) 0.80, (64,240,6,6) 0.81,
-# (8,16,48,48) 0.87, (8,256,14,14) 0.89; but (8,240,12,12) 1.20 (1152 per channel),
-# (4,256,14,14) 1.19 and (8,8,48,48) 1.26 (small inputs), (128,576,3,3) 1.19 (rows of 9).
+# Where the FP32 training fast path pays: its dozen small ops pay back on inputs of half a million
+# values per torch thread with at least 1536 per channel, and :func:`_batch_stats` needs rows (one
+# sample, one channel) of at least 32 values to be quick. Measured fwd+bwd, fast / reference, one
+# thread (AMD EPYC, AVX512): (16,256,14,14) 0.66, (64,240,6,6) 0.82, (16,64,28,28) 0.84; but
+# (8,256,14,14) 1.18, (8,16,48,48) 1.40 and (4,4,128,128) 1.43 (0.26 to 0.4 million values); on a
+# Xeon (AVX512): (8,240,12,12) 1.20 (1152 per channel), (128,576,3,3) 1.19 (rows of 9). With more
+# threads the reference's few large ops split across them while the fast path's many ops each pay
+# a fork and join, so the size it needs grows with the thread count (:func:`_min_values`).
 _MIN_ROW = 32
-_MIN_VALUES = 1 << 18
+_MIN_VALUES = 1 << 19
 _MIN_PER_CHANNEL = 1536
 # Longest piece of a row reduced in float: longer rows are split into equal pieces of at most this
 # many values. The error of a float accumulation grows with its length (rows of 65536 values around
 # a mean of 3: 2e-6 relative in the output, against 1e-7 for the FP32 kernel; 1024: 1.7e-7).
 _MAX_ROW = 1024
-# Values per FP32 chunk in the fast path's forward and backward (1 MiB): small enough to stay in cache.
+# Values per FP32 chunk and torch thread in the fast path's forward and backward (1 MiB each):
+# small enough to stay in each core's cache, and each elementwise op on a chunk splits it between
+# the threads, so a chunk grows with them (fewer, larger parallel ops).
 _CHUNK = 1 << 18
 
 
@@ -113,13 +117,24 @@ def fp32_train_eligible(
     if len(shape) < 2 or not input.is_contiguous() or not eps > 0.0 or (running_mean is None) is not (running_var is None):
         return False
     values = input.numel() // shape[1] if shape[1] else 0
-    if values < 2 or values < _MIN_PER_CHANNEL or input.numel() < _MIN_VALUES or _row_pieces(values // shape[0]) is None:
+    if values < 2 or values < _MIN_PER_CHANNEL or input.numel() < _min_values() or _row_pieces(values // shape[0]) is None:
         return False
     channels = (shape[1],)
     return all(
         t is None or (t.shape == channels and t.dtype is torch.float32 and t.is_cpu)
         for t in (running_mean, running_var, weight, bias)
     )
+
+
+def _min_values() -> int:
+    """The fewest values the fast path takes: ``_MIN_VALUES`` per torch thread.
+
+    Measured fwd+bwd at two threads (AMD EPYC, AVX512), fast / reference: (32,64,56,56) 0.66,
+    (32,128,28,28) 0.70, (32,256,14,14) 0.90, (8,64,56,56) 0.93 (1.6 to 6.4 million values); but
+    (16,256,14,14) 1.19, (32,512,7,7) 1.04, (64,240,6,6) 1.22, (8,96,24,24) 1.45 (0.4 to 0.8
+    million), most of which win at one thread.
+    """
+    return _MIN_VALUES * torch.get_num_threads()
 
 
 class _NormalizeWithBatchStats(torch.autograd.Function):
@@ -213,8 +228,8 @@ def _backward_in_chunks(
 
 
 def _chunks(input: torch.Tensor) -> List[slice]:
-    """Slices of whole samples of ``input`` of about ``_CHUNK`` values each (at least one sample)."""
-    step = max(1, _CHUNK // max(1, input[0].numel()))
+    """Slices of whole samples of ``input`` of about ``_CHUNK`` values per torch thread (at least one sample)."""
+    step = max(1, _CHUNK * torch.get_num_threads() // max(1, input[0].numel()))
     return [slice(start, start + step) for start in range(0, input.shape[0], step)]
 
 
