@@ -190,7 +190,7 @@ def _backward_in_chunks(
     """Training-mode batch-norm backward of a half ``input``, upcast a few samples at a time.
 
     torch's FP32 backward needs a whole FP32 copy of the input next to its FP32 input gradient;
-    here each FP32 temporary covers at most ``_CHUNK`` values, so it stays in cache and the peak
+    here each FP32 temporary covers at most ``_CHUNK`` values per thread, so it stays in cache and the peak
     memory stays near native autocast's. Two passes over the chunks: torch's backward computes
     the per-channel sums of each chunk (weight and bias gradients only), then
     ``grad_input = a * grad + b * (x - mean) + c``, torch's formula with the per-channel terms

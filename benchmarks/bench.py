@@ -691,7 +691,7 @@ def machine(device: str, threads: Sequence[int]) -> Dict[str, object]:
         "cpus_available": available_cpus(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": ", ".join(map(str, threads)),
-        "load_average_1_5_15min": ", ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "load_average_at_end": ", ".join(f"{v:.2f}" for v in os.getloadavg()),
         "os": f"{platform.system()} {platform.machine()}",
         "python": platform.python_version(),
         "torch": torch.__version__,
