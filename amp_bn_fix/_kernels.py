@@ -29,14 +29,15 @@ from typing import List, Optional, Tuple
 import torch
 
 _aten = torch.ops.aten
-# Where the FP32 training fast path pays: its dozen small ops pay back on inputs of half a million
-# values per torch thread with at least 1536 per channel, and :func:`_batch_stats` needs rows (one
+# Where the FP32 training fast path pays: at one torch thread its dozen small ops pay back on inputs
+# of half a million values with at least 1536 per channel, and :func:`_batch_stats` needs rows (one
 # sample, one channel) of at least 32 values to be quick. Measured fwd+bwd, fast / reference, one
 # thread (AMD EPYC, AVX512): (16,256,14,14) 0.66, (64,240,6,6) 0.82, (16,64,28,28) 0.84; but
 # (8,256,14,14) 1.18, (8,16,48,48) 1.40 and (4,4,128,128) 1.43 (0.26 to 0.4 million values); on a
 # Xeon (AVX512): (8,240,12,12) 1.20 (1152 per channel), (128,576,3,3) 1.19 (rows of 9). With more
 # threads the reference's few large ops split across them while the fast path's many ops each pay
-# a fork and join, so the size it needs grows with the thread count (:func:`_min_values`).
+# a fork and join, so the size it needs grows with the thread count, faster than linearly
+# (:func:`_min_values`).
 _MIN_ROW = 32
 _MIN_VALUES = 1 << 19
 _MIN_PER_CHANNEL = 1536
@@ -127,14 +128,17 @@ def fp32_train_eligible(
 
 
 def _min_values() -> int:
-    """The fewest values the fast path takes: ``_MIN_VALUES`` per torch thread.
+    """The fewest values the fast path takes: ``_MIN_VALUES`` times the square of the torch thread count.
 
-    Measured fwd+bwd at two threads (AMD EPYC, AVX512), fast / reference: (32,64,56,56) 0.66,
-    (32,128,28,28) 0.70, (32,256,14,14) 0.90, (8,64,56,56) 0.93 (1.6 to 6.4 million values); but
-    (16,256,14,14) 1.19, (32,512,7,7) 1.04, (64,240,6,6) 1.22, (8,96,24,24) 1.45 (0.4 to 0.8
-    million), most of which win at one thread.
+    Measured fwd+bwd at two threads (AMD EPYC, AVX512), fast / reference: (32,64,56,56) 0.56-0.76,
+    (32,128,28,28) 0.70 (3.2 to 6.4 million values); (32,256,14,14) 0.89 to 1.25 from run to run
+    and (8,64,56,56) 0.93 (1.6 million); (16,256,14,14) 1.19, (32,512,7,7) 1.04, (64,240,6,6)
+    1.22, (8,96,24,24) 1.45 (0.4 to 0.8 million), most of which win at one thread. So at two
+    threads it starts at 2 million values; beyond two nothing was measured, and the square keeps
+    it to inputs where each thread's share is still a few million values.
     """
-    return _MIN_VALUES * torch.get_num_threads()
+    threads = torch.get_num_threads()
+    return _MIN_VALUES * threads * threads
 
 
 class _NormalizeWithBatchStats(torch.autograd.Function):

@@ -325,20 +325,22 @@ def torch_threads():
     torch.set_num_threads(before)
 
 
-# Whether the fast path takes a shape, at one and at two torch threads (half a million values per
-# thread, 1536 per channel, rows of 32 values or more that split into pieces of 32 to 1024).
+# Whether the fast path takes a shape, at one and at two torch threads (half a million values
+# times the square of the thread count, 1536 per channel, rows of 32 values or more that split into
+# pieces of 32 to 1024).
 ROUTES = [
     ((168, 16, 14, 14), {1: True, 2: False}),  # rows of 196 (parts of 4 samples), 526848 values
-    ((336, 16, 14, 14), {1: True, 2: True}),  # 1053696 values
+    ((672, 16, 14, 14), {1: True, 2: True}),  # 2107392 values
     ((2, 4, 256, 256), {1: True, 2: False}),  # rows in pieces of 1024, exactly 2**19 values
-    ((2, 4, 512, 256), {1: True, 2: True}),  # exactly 2**20 values
+    ((2, 4, 512, 512), {1: True, 2: True}),  # exactly 2**21 values
+    ((2, 4, 512, 384), {1: True, 2: False}),  # 2**20 + 2**19 values
     ((256, 16, 12, 12), {1: True, 2: False}),  # rows of 144
     ((512, 32, 6, 6), {1: True, 2: False}),  # rows of 36 (parts of 16 samples)
     ((4, 4, 128, 128), {1: False, 2: False}),  # 2**18 values: the fixed cost does not pay
     ((8, 256, 14, 14), {1: False, 2: False}),  # 401408 values
     ((8, 240, 12, 12), {1: False, 2: False}),  # 1152 per channel
     ((1024, 64, 3, 3), {1: False, 2: False}),  # 589824 values in rows of 9
-    ((2048, 64, 3, 3), {1: False, 2: False}),  # rows of 9 at any size
+    ((4096, 64, 3, 3), {1: False, 2: False}),  # rows of 9 at any size
     ((64, 4, 2062), {1: False, 2: False}),  # rows of 2 x 1031 values: no pieces of 32 to 1024 values
 ]
 
