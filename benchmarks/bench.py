@@ -716,7 +716,9 @@ def markdown(b: Bench, info: Dict[str, object], threads: Sequence[int], load_bef
     for r in b.rows:
         cells.setdefault((r.section, r.name, r.a, r.b), {})[r.threads] = r
     for (section, name, a, b_name), by_threads in cells.items():
-        notes = "; ".join(f"{n}t: {r.note}" for n, r in by_threads.items() if r.note)
+        distinct = {r.note for r in by_threads.values() if r.note}
+        notes = distinct.pop() if len(distinct) == 1 else "; ".join(
+            f"{n}t: {r.note}" for n, r in by_threads.items() if r.note)
         row = [section, name + (f" ({notes})" if notes else ""), a, b_name]
         for n in threads:
             r = by_threads.get(n)
