@@ -20,10 +20,11 @@ bandwidth    the ``fp32`` policy's forward+backward vs a plain copy of as many b
              memory limit.
 P4 train     a training step of MobileNet-, EfficientNet- and ResNet-18-like models (built from
              torch.nn) under bf16 autocast, ``fp32`` policy vs shim off.
-eval         the ResNet-18-like model frozen for inference under bf16 autocast (``torch.jit.freeze``
-             of a trace, and inductor with ``freezing=True``), shim on vs off: the cost of the
-             conv-BN folding the shim's FP32 BatchNorm prevents.
-compile      an inductor-compiled training step of a small conv+BN net, ``fp32`` policy vs shim off.
+eval         the ResNet-18-like model in inference under bf16 autocast, traced and frozen
+             (``torch.jit.freeze``), shim on vs off: the cost of the conv-BN folding the shim's FP32
+             BatchNorm prevents.
+compile      inductor on a small conv+BN net, ``fp32`` policy vs shim off: a training step, and
+             inference with ``torch._inductor.config.freezing`` (the folding again).
 P5 start-up  interpreter start with the start-up hook installed and AMP_BN_FIX unset vs the same
              start skipping the hook, and whether the hook imports torch.
 memory       memory held from forward to backward and peak growth, per policy and by hand,
@@ -160,14 +161,13 @@ class Bench:
     def rounds(self, full: int) -> int:
         return max(5, full // 3) if self.quick else full
 
-    def add(self, section: str, name: str, a: str, b: str, timing: Timing, note: str = "") -> Timing:
+    def add(self, section: str, name: str, a: str, b: str, timing: Timing, note: str = "") -> None:
         row = Row(section, name, a, b, timing, torch.get_num_threads(), note)
         self.rows.append(row)
         t = row.timing
         print(f"  {row.threads:>2}t {row.section:<6} {row.name:<40} {fmt_us(t.a_us):>10} {fmt_us(t.b_us):>10}  "
               f"ratio {t.ratio:.3f} [{t.ratio_q1:.3f}, {t.ratio_q3:.3f}]"
               f"{f'  ({row.a} vs {row.b}: {row.note})' if row.note else ''}", flush=True)
-        return timing
 
 
 def fmt_us(us: float) -> str:
@@ -768,7 +768,8 @@ def thread_sweep(requested: Optional[Sequence[int]]) -> List[int]:
 
 def run_device(device: str, args: argparse.Namespace, threads: Sequence[int]) -> Bench:
     b = Bench(device, args.quick)
-    print(f"== {device} ({'quick' if args.quick else 'full'}), torch threads {', '.join(map(str, threads))}; "
+    print(f"== {device} ({'quick' if args.quick else 'full'}), {cpu_model()}, capability "
+          f"{torch.backends.cpu.get_cpu_capability()}, torch threads {', '.join(map(str, threads))}; "
           f"load average {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(f"  {'':<10} {'case':<40} {'A':>10} {'B':>10}")
     with shim(True):
