@@ -17,9 +17,9 @@ from amp_bn_fix import _patch  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def fast_paths_for_small_inputs(monkeypatch):
-    """The FP32 training fast path starts at a quarter of a million values, which would keep the
-    tests' small inputs off it: here it starts at any size (rows must still be long enough).
-    ``test_fastpath`` checks the real thresholds."""
+    """The FP32 training fast path starts at half a million values (more with more torch threads),
+    which would keep the tests' small inputs off it: here it starts at any size (rows must still be
+    long enough). ``test_fastpath`` checks the real thresholds."""
     from amp_bn_fix import _kernels
 
     monkeypatch.setattr(_kernels, "_MIN_VALUES", 0)

@@ -320,32 +320,48 @@ def test_fp32_policy_training_takes_its_statistics_from_the_half_input(dtype):
 REAL_MIN_VALUES, REAL_MIN_PER_CHANNEL = _kernels._MIN_VALUES, _kernels._MIN_PER_CHANNEL
 
 
-@pytest.mark.parametrize(
-    "shape, fast",
-    [
-        ((168, 16, 14, 14), True),  # rows of 196 (parts of 4 samples), 526848 values
-        ((2, 4, 256, 256), True),  # rows in pieces of 1024
-        ((256, 16, 12, 12), True),  # rows of 144
-        ((512, 32, 6, 6), True),  # rows of 36 (parts of 16 samples)
-        ((4, 4, 128, 128), True),  # exactly 2**18 values
-        ((2, 4, 128, 128), False),  # 131072 values: the fixed cost does not pay
-        ((8, 240, 12, 12), False),  # 276480 values, but 1152 per channel
-        ((1024, 64, 3, 3), False),  # 589824 values in rows of 9
-        ((64, 4, 2062), False),  # rows of 2 x 1031 values: no pieces of 32 to 1024 values
-    ],
-)
-def test_fp32_policy_training_fast_path_starts_where_it_pays(monkeypatch, shape, fast):
+@pytest.fixture
+def torch_threads():
+    """Set torch's intra-op thread count for one test, restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# Whether the fast path takes a shape, at one and at two torch threads (half a million values
+# times the square of the thread count, 1536 per channel, rows of 32 values or more that split into
+# pieces of 32 to 1024).
+ROUTES = [
+    ((168, 16, 14, 14), {1: True, 2: False}),  # rows of 196 (parts of 4 samples), 526848 values
+    ((672, 16, 14, 14), {1: True, 2: True}),  # 2107392 values
+    ((2, 4, 256, 256), {1: True, 2: False}),  # rows in pieces of 1024, exactly 2**19 values
+    ((2, 4, 512, 512), {1: True, 2: True}),  # exactly 2**21 values
+    ((2, 4, 512, 384), {1: True, 2: False}),  # 2**20 + 2**19 values
+    ((256, 16, 12, 12), {1: True, 2: False}),  # rows of 144
+    ((512, 32, 6, 6), {1: True, 2: False}),  # rows of 36 (parts of 16 samples)
+    ((4, 4, 128, 128), {1: False, 2: False}),  # 2**18 values: the fixed cost does not pay
+    ((8, 256, 14, 14), {1: False, 2: False}),  # 401408 values
+    ((8, 240, 12, 12), {1: False, 2: False}),  # 1152 per channel
+    ((1024, 64, 3, 3), {1: False, 2: False}),  # 589824 values in rows of 9
+    ((4096, 64, 3, 3), {1: False, 2: False}),  # rows of 9 at any size
+    ((64, 4, 2062), {1: False, 2: False}),  # rows of 2 x 1031 values: no pieces of 32 to 1024 values
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape, fast", ROUTES, ids=[str(shape) for shape, _ in ROUTES])
+def test_fp32_policy_training_fast_path_starts_where_it_pays(monkeypatch, torch_threads, threads, shape, fast):
     monkeypatch.setattr(_kernels, "_MIN_VALUES", REAL_MIN_VALUES)
     monkeypatch.setattr(_kernels, "_MIN_PER_CHANNEL", REAL_MIN_PER_CHANNEL)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).bfloat16()
+    torch_threads(threads)
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(4)) + 2).bfloat16()
     running_mean, running_var = torch.zeros(shape[1]), torch.ones(shape[1])
     with OpLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
         out = F.batch_norm(x, running_mean, running_var, training=True)
     assert out.dtype is torch.float32
-    assert any(op == "batch_norm_update_stats" for op, _, _ in log.ops) is fast
-    ref = ORIGINAL(x.double(), torch.zeros(shape[1], dtype=torch.float64), torch.ones(shape[1], dtype=torch.float64),
-                   training=True)
-    assert_near(out, ref, x.numel() // shape[1], what="output")
+    assert any(op == "batch_norm_update_stats" for op, _, _ in log.ops) is fast[threads]
+    # Either path: as accurate as the FP32 kernel.
+    assert_as_accurate_as_the_fp32_kernel(x, out, running_mean, running_var)
 
 
 def assert_as_accurate_as_the_fp32_kernel(x, out, running_mean, running_var):
@@ -401,10 +417,14 @@ def test_fp32_policy_training_saves_only_the_half_input_for_backward(dtype, rank
 @pytest.mark.parametrize("shape", [(9, CHANNELS, 256), (9, CHANNELS, 16, 16), (9, CHANNELS, 4, 8, 8)], ids=["1d", "2d", "3d"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 @pytest.mark.parametrize("mean", [0.0, 300.0], ids=["centred", "large-mean"])
-def test_fp32_policy_chunked_forward_and_backward_match_the_references(monkeypatch, dtype, shape, affine, mean):
-    # Chunks of 2 samples out of 9 (the last one shorter): the forward and backward of large
-    # inputs, made small.
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp32_policy_chunked_forward_and_backward_match_the_references(monkeypatch, torch_threads, threads, dtype,
+                                                                      shape, affine, mean):
+    # Chunks of 2 samples per thread out of 9 (the last one shorter): the forward and backward of
+    # large inputs, made small.
     monkeypatch.setattr(_kernels, "_CHUNK", 2 * math.prod(shape[1:]))
+    torch_threads(threads)
+    assert len(_kernels._chunks(torch.empty(shape))) == -(-9 // (2 * threads))
     calls = []
     chunked = _kernels._backward_in_chunks
     monkeypatch.setattr(_kernels, "_backward_in_chunks", lambda *args: calls.append(1) or chunked(*args))
