@@ -54,10 +54,12 @@ def guard_checked(running_mean: torch.Tensor, finite: Union[bool, torch.Tensor])
 
 def _label(running_mean: torch.Tensor) -> str:
     """The module that holds ``running_mean``, found once (a search of the live objects)."""
+    batch_norm = torch.nn.modules.batchnorm._BatchNorm
+    # type(), not isinstance(): some live objects are proxies whose __class__ warns or fails.
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.modules.batchnorm._BatchNorm) and obj._buffers.get("running_mean") is running_mean:
+        if issubclass(type(obj), batch_norm) and obj._buffers.get("running_mean") is running_mean:
             return f"{type(obj).__name__}({obj.num_features}) at {id(obj):#x}"
-    return f"running stats of {running_mean.numel()} channels at {id(running_mean):#x}"
+    return f"F.batch_norm's running stats ({running_mean.numel()} channels) at {id(running_mean):#x}"
 
 
 def _warn_first_skip(running_mean: torch.Tensor, entry: List[Any]) -> None:
@@ -67,8 +69,8 @@ def _warn_first_skip(running_mean: torch.Tensor, entry: List[Any]) -> None:
     _warned = True
     entry[3] = entry[3] or _label(running_mean)
     warnings.warn(
-        f"amp_bn_fix: the guard kept the running stats of {entry[3]}: this batch's statistics were not "
-        "finite (inf or NaN). Further skips are counted, not reported: see amp_bn_fix.report()",
+        f"amp_bn_fix: the guard left the running stats of {entry[3]} as they were: this batch's "
+        "statistics were not finite (inf or NaN). Further skips are counted, not reported: see amp_bn_fix.report()",
         RuntimeWarning,
         stacklevel=2,
     )

@@ -514,6 +514,7 @@ def test_invalid_calls_raise_the_originals_error(policy, name):
 # --- the guard on the fast paths -------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")  # tests/test_record.py checks it
 @pytest.mark.parametrize("policy", POLICIES)
 def test_guard_keeps_stats_on_a_non_finite_batch_through_the_fast_paths(policy):
     amp_bn_fix.set_policy(policy)

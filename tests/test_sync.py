@@ -125,6 +125,7 @@ def test_half_parameters_and_stats_are_computed_in_fp32_and_written_back(recorde
     torch.testing.assert_close(var.double(), expected_var, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")  # tests/test_record.py checks it
 def test_guard_keeps_running_stats_when_the_batch_is_not_finite(recorder):
     x, weight, bias, mean, var = make()
     x = x.detach().clone()
