@@ -125,3 +125,22 @@ def test_cuda_guard_skips_are_counted_without_a_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"] == {"0": 1}
+
+
+def test_naming_the_module_survives_odd_live_objects():
+    # A dead weakref.proxy among the live objects raises on any attribute access, isinstance too.
+    import gc
+    import weakref
+
+    class Thing:
+        pass
+
+    thing = Thing()
+    dead = weakref.proxy(thing)
+    del thing
+    gc.collect()
+    bn = nn.BatchNorm1d(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert _record._label(bn.running_mean).startswith("BatchNorm1d(3) at 0x")
+    assert dead is not None
