@@ -18,21 +18,14 @@ import torch
 from torch import nn
 
 import amp_bn_fix
-
-
-def cases() -> Iterator[Tuple[str, torch.dtype]]:
-    """(device type, autocast dtype) pairs: the report's CUDA float16 when possible, CPU always."""
-    if torch.cuda.is_available():
-        yield "cuda", torch.float16
-    yield "cpu", torch.float16
-    yield "cpu", torch.bfloat16
+from amp_bn_fix._demo import cases, report_network  # the demo's and the self-test's network and devices
+from amp_bn_fix._patch import uninstalled
 
 
 def snippets() -> Iterator[Tuple[str, nn.Sequential]]:
     """The report's two networks, freshly seeded."""
-    torch.manual_seed(0)
     yield "1: BatchNorm1d first", nn.Sequential(nn.BatchNorm1d(4))
-    yield "2: Linear -> BatchNorm1d -> Linear", nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 5))
+    yield "2: Linear -> BatchNorm1d -> Linear", report_network()
 
 
 def layer_dtypes(net: nn.Sequential, device: str, dtype: torch.dtype) -> List[torch.dtype]:
@@ -60,9 +53,8 @@ def main() -> int:
     for device, dtype in cases():
         for title, net in snippets():
             net = net.to(device)
-            amp_bn_fix.disable()
-            without = layer_dtypes(net, device, dtype)
-            amp_bn_fix.enable()
+            with uninstalled():
+                without = layer_dtypes(net, device, dtype)
             with_shim = layer_dtypes(net, device, dtype)
             for layer, want, a, b in zip(net, expected(net, dtype), without, with_shim):
                 rows.append((title, device, short(dtype), type(layer).__name__, short(a), short(b), short(want)))

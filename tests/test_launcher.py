@@ -153,3 +153,19 @@ def test_environment_switches_the_shim_on_and_puts_the_bootstrap_first_once():
     assert (env["AMP_BN_FIX"], env["AMP_BN_FIX_POLICY"], env["AMP_BN_FIX_DEVICES"]) == ("1", "input", "cpu")
     assert env["PYTHONPATH"].split(os.pathsep) == [launcher.BOOTSTRAP_DIR, "/somewhere"]
     assert launcher.environment(None, None, {})["PYTHONPATH"] == launcher.BOOTSTRAP_DIR
+
+
+def test_a_misspelled_option_names_the_closest_valid_one(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["run", "--polcy", "input", "--", "true"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --polcy" in err and "(did you mean --policy?)" in err
+
+
+def test_version_costs_no_torch_import(capsys):
+    from _amp_bn_fix_boot._version import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"amp-bn-fix {__version__}"
