@@ -233,7 +233,8 @@ def report(model: Optional["torch.nn.Module"] = None) -> Dict[str, Any]:
 _patch.configure(_settings.from_env())
 if _settings.report_requested():
     atexit.register(_record.print_summary)
-if _settings.unknown_names():
-    warnings.warn(f"amp_bn_fix: {_settings.describe_unknown(_settings.unknown_names())}", RuntimeWarning, stacklevel=2)
+_unknown = _settings.unknown_names()
+if _unknown:
+    warnings.warn(f"amp_bn_fix: {_settings.describe_unknown(_unknown)}", RuntimeWarning, stacklevel=2)
 if _patch.current_config().policy != "off":
     enable()

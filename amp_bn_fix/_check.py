@@ -71,14 +71,6 @@ def config_rows() -> List[Tuple[str, str, str]]:
     return [(name, config.describe(name), config.sources[name]) for name in ("policy", "devices", "keep_fp32", "guard")]
 
 
-def batch_norm_repr() -> str:
-    """``repr(torch.nn.functional.batch_norm)``: names the wrapper while the shim is enabled.
-
-    ``str()`` and ``print()`` show the original function either way: wrapt forwards them.
-    """
-    return repr(F.batch_norm)
-
-
 def self_test(device: str, dtype: torch.dtype) -> SelfTest:
     """The bug report's case (Linear -> BatchNorm1d -> Linear, training) under autocast, with the settings in force.
 
@@ -95,15 +87,19 @@ def self_test(device: str, dtype: torch.dtype) -> SelfTest:
         return SelfTest(device, dtype, False, f"error: {type(exc).__name__}: {exc}")
 
 
-def expected_output_dtype(config: settings.Config, device: str, dtype: torch.dtype) -> Tuple[torch.dtype, str]:
-    """(BatchNorm's output dtype in the self-test, why) under ``config`` and ``dtype`` autocast on ``device``."""
+class Expected(NamedTuple):
+    dtype: torch.dtype  # BatchNorm's output dtype in the self-test
+    passed_through: bool  # the settings leave the call to torch
+    why: str
+
+
+def expected_output(config: settings.Config, device: str, dtype: torch.dtype) -> Expected:
+    """What the self-test's BatchNorm returns under ``config`` and ``dtype`` autocast on ``device``."""
     if config.devices is not None and device not in config.devices:
-        return dtype, f"passed through: {device} is not in AMP_BN_FIX_DEVICES={config.describe('devices')}"
+        return Expected(dtype, True, f"passed through: {device} is not in AMP_BN_FIX_DEVICES={config.describe('devices')}")
     if config.policy == "off":
-        return dtype, "passed through: policy off"
-    if config.policy == "fp32":
-        return torch.float32, "policy fp32"
-    return dtype, f"policy {config.policy}"
+        return Expected(dtype, True, "passed through: policy off")
+    return Expected(torch.float32 if config.policy == "fp32" else dtype, False, f"policy {config.policy}")
 
 
 def _report_case(device: str, dtype: torch.dtype, config: settings.Config) -> SelfTest:
@@ -117,14 +113,13 @@ def _report_case(device: str, dtype: torch.dtype, config: settings.Config) -> Se
         net[2](normalized)
     tensors = (hidden.detach(), bn.weight.detach(), bn.bias.detach(), *before, normalized.detach(),
                bn.running_mean.detach(), bn.running_var.detach())
-    expected, why = expected_output_dtype(config, device, dtype)
+    expected, passed_through, why = expected_output(config, device, dtype)
     if hidden.dtype is not dtype:
         detail = f"autocast gave Linear output {dtype_name(hidden.dtype)}, expected {dtype_name(dtype)}"
         return SelfTest(device, dtype, False, detail, tensors)
     if normalized.dtype is not expected:
         detail = f"BatchNorm1d output is {dtype_name(normalized.dtype)}, expected {dtype_name(expected)} ({why})"
         return SelfTest(device, dtype, False, detail, tensors)
-    passed_through = why.startswith("passed through")
     if not passed_through and (bn.running_mean.dtype is not torch.float32 or bn.running_var.dtype is not torch.float32):
         return SelfTest(device, dtype, False, f"running stats became {dtype_name(bn.running_mean.dtype)}", tensors)
     error, stats_error = errors_against_float64(tensors, bn.momentum, bn.eps)

@@ -88,13 +88,16 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
         names = {id(m.running_mean): name for name, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None}
     skips: Dict[str, int] = {}
-    for key, (ref, host, device, label) in list(_skips.items()):
+    for key, entry in list(_skips.items()):
+        ref, host, device, label = entry
         stat = ref()
         if stat is None and not host and device is None:
             continue
         total = host + (int(device.item()) if device is not None else 0)
         if total:
-            name = names.get(key) or label or (_label(stat) if stat is not None else f"a deleted module ({key:#x})")
+            if label is None:  # found once: the search walks every live object
+                label = entry[3] = _label(stat) if stat is not None else f"a deleted module ({key:#x})"
+            name = names.get(key) or label
             skips[name] = skips.get(name, 0) + total
     return {"handled": dict(counts.handled), "passed_through": counts.passed, "guard_skips": skips}
 
@@ -102,10 +105,10 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
 def summary() -> str:
     """One line: what :func:`snapshot` holds."""
     record = snapshot()
-    handled = ", ".join(f"{n} {p}" for p, n in sorted(record["handled"].items())) or "none"
+    per_policy = ", ".join(f"{n} {p}" for p, n in sorted(record["handled"].items())) or "none"
     skips = sum(record["guard_skips"].values())
     where = f" ({', '.join(f'{n} in {m}' for m, n in record['guard_skips'].items())})" if skips else ""
-    return (f"amp_bn_fix: calls handled: {handled}; passed through: {record['passed_through']}; "
+    return (f"amp_bn_fix: calls handled: {per_policy}; passed through: {record['passed_through']}; "
             f"guard skips: {skips}{where}")
 
 
