@@ -2,13 +2,15 @@
 
 Every argument is parsed here, without importing torch or amp_bn_fix, so ``--help``, ``--version``
 and argument errors cost no torch import. ``demo`` and ``check`` need torch: they check the
-settings in the environment first (a bad one is one line on stderr and exit status 2), then run
-from ``amp_bn_fix._cli``, imported only then.
+settings in the environment first (each bad one is one line on stderr, and the exit status is 2),
+then run from ``amp_bn_fix._cli``, imported only then. ``python -m amp_bn_fix`` gets here too: the
+package's import leaves a bad setting for this code to report when it is run as the command.
 
-``amp-bn-fix run [--policy P] [--devices D] [--keep-fp32 K] [--guard G] -- CMD [ARGS...]`` sets
-``AMP_BN_FIX=1`` and the given settings, puts the bootstrap folder (whose sitecustomize starts the
-hook) first on ``PYTHONPATH`` and replaces itself with ``CMD``: the exit code is the command's, and
-every Python process it starts inherits the environment.
+``amp-bn-fix run [--policy P] [--devices D] [--keep-fp32 K] [--guard G] [--report] -- CMD [ARGS...]``
+(one option per setting of the settings table) sets ``AMP_BN_FIX=1`` and the given settings, puts
+the bootstrap folder (whose sitecustomize starts the hook) first on ``PYTHONPATH`` and replaces
+itself with ``CMD``: the exit code is the command's, and every Python process it starts inherits
+the environment.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import argparse
 import difflib
 import os
 import sys
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from . import settings
-from .names import BOOTSTRAP_DIR, COMMAND, ENV_DEVICES, ENV_ENABLE, ENV_GUARD, ENV_KEEP_FP32, ENV_POLICY, ENV_REPORT
+from .names import BOOTSTRAP_DIR, COMMAND, ENV_ENABLE
 
 PROG = COMMAND
 
@@ -40,24 +42,28 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _devices(value: str) -> str:
-    try:
-        devices = settings.parse_devices(value, "--devices")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return "all" if devices is None else ",".join(sorted(devices))
+def _option_type(setting: settings.Setting) -> Callable[[str], str]:
+    """argparse's ``type`` for ``setting``'s option: the value as its variable spells it, or an error."""
 
+    def convert(value: str) -> str:
+        try:
+            return setting.spell(setting.parse(value, str(setting.option)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not valid; allowed values: {setting.allowed}") from None
 
-def _guard(value: str) -> str:
-    try:
-        return "1" if settings.parse_flag(value, "--guard") else "0"
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
 
 
 def _error(problem: str) -> int:
     """A usage error that is not in the arguments: one line, exit status 2 (as argparse's)."""
     print(f"{PROG}: error: {problem}", file=sys.stderr)
+    return 2
+
+
+def _bad_settings(problems: Sequence[str]) -> int:
+    """Each bad setting of the environment as an error line of its own; exit status 2."""
+    for problem in problems:
+        _error(f"{problem} (from the environment)")
     return 2
 
 
@@ -96,11 +102,11 @@ def _in_package(name: str) -> Callable[[argparse.Namespace], int]:
     """A command that runs ``amp_bn_fix._cli.<name>`` once the environment's settings are known good."""
 
     def command(args: argparse.Namespace) -> int:
-        try:
-            settings.from_env(os.environ)
-        except ValueError as exc:
-            # Importing amp_bn_fix would raise it as a traceback.
-            return _error(f"{exc} (from the environment)")
+        # Checked here, before amp_bn_fix is imported (its import would raise the first as a
+        # traceback): every bad setting, one line each.
+        bad = settings.problems(os.environ)
+        if bad:
+            return _bad_settings(bad)
         from amp_bn_fix import _cli
 
         return getattr(_cli, name)(args)
@@ -108,51 +114,60 @@ def _in_package(name: str) -> Callable[[argparse.Namespace], int]:
     return command
 
 
+def _run_options() -> List[settings.Setting]:
+    return [setting for setting in settings.SETTINGS if setting.option is not None]
+
+
 def add_run_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
-    """Add the ``run`` command to ``commands`` (the subparsers of the ``amp-bn-fix`` parser)."""
+    """Add the ``run`` command to ``commands`` (the subparsers of the ``amp-bn-fix`` parser).
+
+    Its options are the settings table's: ``--NAME VALUE`` for each setting, ``--NAME`` alone for
+    a switch (``--report``); each sets the setting's variable for the command.
+    """
+    usage = " ".join(f"[{s.option}]" if s.switch else f"[{s.option} {_metavar(s)}]" for s in _run_options())
     parser = commands.add_parser(
         "run",
-        usage=f"{PROG} run [-h] [--policy P] [--devices D] [--keep-fp32 K] [--guard G] [--report] -- CMD [ARGS...]",
+        usage=f"{PROG} run [-h] {usage} -- CMD [ARGS...]",
         help="run a command with the shim enabled in all of its Python processes",
         description="Run CMD with AMP_BN_FIX=1 and a start-up hook on PYTHONPATH, so that every "
         "Python process it starts (torchrun workers included) enables the shim when it imports torch.",
     )
-    parser.add_argument(
-        "--policy",
-        choices=settings.POLICIES,
-        metavar="P",
-        help=f"{', '.join(settings.POLICIES)}; sets {ENV_POLICY}",
-    )
-    parser.add_argument(
-        "--devices", type=_devices, metavar="D", help=f"'all' or a comma list such as cuda,cpu; sets {ENV_DEVICES}"
-    )
-    parser.add_argument(
-        "--keep-fp32", choices=settings.KEEP_MODES, metavar="K",
-        help=f"{', '.join(settings.KEEP_MODES)}; sets {ENV_KEEP_FP32}",
-    )
-    parser.add_argument("--guard", type=_guard, metavar="G", help=f"1 or 0; sets {ENV_GUARD}")
-    parser.add_argument("--report", action="store_true",
-                        help=f"each Python process writes a one-line summary of what the shim did to stderr at exit; sets {ENV_REPORT}=1")
+    for setting in _run_options():
+        if setting.switch:
+            parser.add_argument(setting.option, dest=setting.name, action="store_const", const="1",
+                                help=f"{setting.doc}; sets {setting.env}=1")
+        else:
+            parser.add_argument(setting.option, dest=setting.name, type=_option_type(setting), metavar=_metavar(setting),
+                                help=f"{setting.doc}: {setting.allowed}; sets {setting.env}")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
     parser.set_defaults(func=lambda args: run(parser, args))
     return parser
 
 
-def environment(policy: Optional[str], devices: Optional[str], base: Optional[dict] = None,
-                keep_fp32: Optional[str] = None, guard: Optional[str] = None, report: bool = False) -> dict:
+def _metavar(setting: settings.Setting) -> str:
+    return setting.name[0].upper()
+
+
+def environment(base: Optional[Mapping[str, str]] = None, **given: Union[str, bool, None]) -> Dict[str, str]:
     """The environment ``run`` gives its command: ``base`` (default: ours) with the shim switched on.
 
+    ``given`` maps setting names (``policy``, ``devices``, ``keep_fp32``, ``guard``, ``report``)
+    to values, as their options or variables spell them; ``None`` leaves the inherited value.
+
     Raises:
-        ValueError: when a setting, given or inherited, is not valid.
+        ValueError: when a setting, given or inherited, is not valid: one line per bad setting.
     """
     env = dict(os.environ if base is None else base)
     env[ENV_ENABLE] = "1"
-    settings_given = ((ENV_POLICY, policy), (ENV_DEVICES, devices), (ENV_KEEP_FP32, keep_fp32), (ENV_GUARD, guard),
-                      (ENV_REPORT, "1" if report else None))
-    for name, value in settings_given:
+    for name, value in given.items():
+        setting = settings.BY_NAME.get(name)
+        if setting is None or setting.option is None:
+            raise TypeError(f"environment() got an unexpected setting {name!r}")
         if value is not None:
-            env[name] = value
-    settings.from_env(env)
+            env[setting.env] = setting.spell(setting.parse(value, str(setting.option)))
+    bad = settings.problems(env)
+    if bad:
+        raise ValueError("\n".join(bad))
     inherited = env.get("PYTHONPATH")
     entries = [p for p in inherited.split(os.pathsep) if p != BOOTSTRAP_DIR] if inherited else []
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *entries])
@@ -165,9 +180,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not command:
         parser.error("missing the command to run, e.g. amp-bn-fix run -- python train.py")
     try:
-        env = environment(args.policy, args.devices, keep_fp32=args.keep_fp32, guard=args.guard, report=args.report)
+        env = environment(**{s.name: getattr(args, s.name) for s in _run_options()})
     except ValueError as exc:
-        return _error(f"{exc} (from the environment)")
+        return _bad_settings(str(exc).splitlines())
     try:
         settings.parse_flag(os.environ.get(ENV_ENABLE, "1"), ENV_ENABLE)
     except ValueError as exc:

@@ -2,7 +2,9 @@
 
 Imported by the start-up hook, the settings parser, the command line, ``setup.py`` (which writes
 the start files from :data:`PTH_TEXT` and :data:`START_TEXT`) and the package itself. Imports
-nothing but ``os``, so the ``.pth`` line and the hook stay cheap.
+nothing but ``os``, so the ``.pth`` line and the hook stay cheap. The settings' own variables are
+in the settings table (``settings.SETTINGS``); only the hook's switch, which the ``.pth`` line
+reads, is spelled here.
 """
 
 import os
@@ -10,14 +12,8 @@ import os
 PACKAGE = "amp_bn_fix"
 COMMAND = "amp-bn-fix"
 
+# The start-up hook's switch; every other variable amp_bn_fix reads is named AMP_BN_FIX_<SETTING>.
 ENV_ENABLE = "AMP_BN_FIX"
-ENV_POLICY = "AMP_BN_FIX_POLICY"
-ENV_DEVICES = "AMP_BN_FIX_DEVICES"
-ENV_KEEP_FP32 = "AMP_BN_FIX_KEEP_FP32"
-ENV_GUARD = "AMP_BN_FIX_GUARD"
-ENV_REPORT = "AMP_BN_FIX_REPORT"
-# Every variable amp_bn_fix reads; any other AMP_BN_FIX_* name is a misspelling.
-ENV_NAMES = (ENV_ENABLE, ENV_POLICY, ENV_DEVICES, ENV_KEEP_FP32, ENV_GUARD, ENV_REPORT)
 
 ON_WORDS = ("1", "true", "yes", "on")
 OFF_WORDS = ("0", "false", "no", "off", "")

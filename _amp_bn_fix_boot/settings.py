@@ -1,4 +1,8 @@
-"""The settings: the environment variables amp_bn_fix reads, parsed and validated.
+"""The settings: one table of them, and the environment variables amp_bn_fix reads, parsed and validated.
+
+:data:`SETTINGS` is the one list of the settings: each one's name, environment variable, parser,
+allowed values and what it does. The environment reader, :class:`Config`, the ``amp-bn-fix run``
+options, ``amp-bn-fix check`` and ``amp_bn_fix.configure`` all derive from it.
 
 This module imports neither torch nor wrapt, so the start-up hook and the command line validate
 the environment before anything heavy is loaded, with the very code the package uses. It holds no
@@ -6,36 +10,30 @@ global state: :func:`from_env` returns a fresh :class:`Config` and the runtime (
 decides what to do with it. Every problem is a ``ValueError`` naming the bad value and the allowed ones.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: Config is public as amp_bn_fix.Config (below), and
+# typing.get_type_hints would look its string annotations up there.
+import collections.abc
 import dataclasses
 import difflib
 import os
 from types import MappingProxyType
-from typing import Dict, FrozenSet, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Literal, Mapping, Optional, Tuple, get_args
 
-from .names import ENV_DEVICES, ENV_ENABLE, ENV_GUARD, ENV_KEEP_FP32, ENV_NAMES, ENV_POLICY, ENV_REPORT, OFF_WORDS, ON_WORDS
+from .names import ENV_ENABLE, OFF_WORDS, ON_WORDS, PACKAGE
 
-POLICIES = ("fp32", "input", "autocast", "off")
-KEEP_MODES = ("stats", "all", "none")
+PolicyName = Literal["fp32", "input", "autocast", "off"]
+KeepMode = Literal["master", "all", "stats", "none"]
 # Device types torch's autocast knows. Anything else is almost certainly a typo ("gpu").
-DEVICE_TYPES = (
-    "cpu",
-    "cuda",
-    "xpu",
-    "mps",
-    "hpu",
-    "mtia",
-    "maia",
-    "xla",
-    "ipu",
-    "privateuseone",
-)
+DeviceType = Literal["cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu", "privateuseone"]
 
+POLICIES: Tuple[str, ...] = get_args(PolicyName)
+KEEP_MODES: Tuple[str, ...] = get_args(KeepMode)
+DEVICE_TYPES: Tuple[str, ...] = get_args(DeviceType)
 
-
-def _allowed(values: tuple) -> str:
-    return ", ".join(values)
+POLICY_ALLOWED = ", ".join(POLICIES)
+KEEP_ALLOWED = ", ".join(KEEP_MODES)
+DEVICES_ALLOWED = f"'all' or a comma list of: {', '.join(DEVICE_TYPES)}"
+FLAG_ALLOWED = "1/true/yes/on or 0/false/no/off"
 
 
 def _invalid(what: str, value: object, allowed: str) -> ValueError:
@@ -46,58 +44,130 @@ def check_policy(name: object, what: str = "policy") -> str:
     """Return the canonical policy name for ``name`` or raise ``ValueError`` naming the choices."""
     if isinstance(name, str) and name.strip().lower() in POLICIES:
         return name.strip().lower()
-    raise _invalid(what, name, _allowed(POLICIES))
+    raise _invalid(what, name, POLICY_ALLOWED)
 
 
 def check_keep_fp32(mode: object, what: str = "keep_fp32") -> str:
+    """Return the canonical ``keep_fp32`` mode for ``mode`` or raise ``ValueError`` naming the choices."""
     if isinstance(mode, str) and mode.strip().lower() in KEEP_MODES:
         return mode.strip().lower()
-    raise _invalid(what, mode, _allowed(KEEP_MODES))
+    raise _invalid(what, mode, KEEP_ALLOWED)
 
 
 def parse_flag(value: object, what: str) -> bool:
-    """Parse a boolean switch such as ``AMP_BN_FIX=1``."""
+    """Parse a boolean switch such as ``AMP_BN_FIX=1``: a bool, 0 or 1, or one of the on/off words."""
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
     if isinstance(value, str):
         word = value.strip().lower()
         if word in ON_WORDS:
             return True
         if word in OFF_WORDS:
             return False
-    raise _invalid(what, value, "1/true/yes/on or 0/false/no/off")
+    raise _invalid(what, value, FLAG_ALLOWED)
 
 
 def parse_devices(value: object, what: str = "devices") -> Optional[FrozenSet[str]]:
-    """Parse ``"all"`` (returns ``None``) or a comma list of autocast device types."""
-    allowed = f"'all' or a comma list of: {_allowed(DEVICE_TYPES)}"
+    """Parse ``None`` or ``"all"`` (both return ``None``: every device type), or autocast device types.
+
+    The device types come as a comma list (``"cuda,cpu"``, as ``AMP_BN_FIX_DEVICES`` spells them)
+    or as an iterable of names.
+    """
+    if value is None:
+        return None
     if isinstance(value, str):
         names = [part.strip().lower() for part in value.split(",")]
-    elif isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in value):
-        names = [v.strip().lower() for v in value]
+    elif isinstance(value, collections.abc.Iterable) and not isinstance(value, (bytes, collections.abc.Mapping)):
+        items = list(value)
+        if not all(isinstance(v, str) for v in items):
+            raise _invalid(what, value, DEVICES_ALLOWED)
+        names = [v.strip().lower() for v in items]
     else:
-        raise _invalid(what, value, allowed)
+        raise _invalid(what, value, DEVICES_ALLOWED)
     if names == ["all"]:
         return None
     if not names or any(n not in DEVICE_TYPES for n in names):
-        raise _invalid(what, value, allowed)
+        raise _invalid(what, value, DEVICES_ALLOWED)
     return frozenset(names)
 
 
-_SETTINGS = ("policy", "devices", "keep_fp32", "guard")
+def _spell_devices(devices: Optional[FrozenSet[str]]) -> str:
+    return "all" if devices is None else ",".join(sorted(devices))
+
+
+def _spell_flag(on: bool) -> str:
+    return "1" if on else "0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the settings table."""
+
+    name: str  # the Config attribute and configure() keyword; ``run``'s option is --name-with-dashes
+    env: str  # the environment variable
+    parse: Callable[[object, str], Any]  # (value, what) -> the value; ValueError naming what, value, allowed
+    allowed: str  # the allowed values, as errors and help spell them
+    doc: str  # what it does, one line
+    spell: Callable[[Any], str] = str  # a parsed value as the environment variable spells it
+    # "config": a field of Config, settable with configure(); "import": read once, by the package's
+    # import (AMP_BN_FIX_REPORT); "hook": read by the start-up hook only (AMP_BN_FIX itself).
+    scope: str = "config"
+    switch: bool = False  # ``run`` takes it as a bare option that sets it to 1
+
+    @property
+    def option(self) -> Optional[str]:
+        """``amp-bn-fix run``'s option for it; None for the hook's switch, which ``run`` always sets."""
+        return None if self.scope == "hook" else "--" + self.name.replace("_", "-")
+
+
+# Config's fields are the names of the "config" rows, in this order (checked below).
+SETTINGS: Tuple[Setting, ...] = (
+    Setting("enable", ENV_ENABLE, parse_flag, FLAG_ALLOWED,
+            "the start-up hook enables the shim in every Python process that imports torch",
+            _spell_flag, scope="hook"),
+    Setting("policy", "AMP_BN_FIX_POLICY", check_policy, POLICY_ALLOWED,
+            "BatchNorm's output dtype under autocast"),
+    Setting("devices", "AMP_BN_FIX_DEVICES", parse_devices, DEVICES_ALLOWED,
+            "the device types whose calls the shim changes", _spell_devices),
+    Setting("keep_fp32", "AMP_BN_FIX_KEEP_FP32", check_keep_fp32, KEEP_ALLOWED,
+            "where BatchNorm's FP32 state lives when a model is cast to 16 bit"),
+    Setting("guard", "AMP_BN_FIX_GUARD", parse_flag, FLAG_ALLOWED,
+            "keep the running stats when a batch's statistics are not finite", _spell_flag),
+    Setting("report", "AMP_BN_FIX_REPORT", parse_flag, FLAG_ALLOWED,
+            "each Python process writes a one-line summary of what the shim did to stderr at exit",
+            _spell_flag, scope="import", switch=True),
+)
+BY_NAME: Mapping[str, Setting] = MappingProxyType({s.name: s for s in SETTINGS})
+# Every variable amp_bn_fix reads; any other AMP_BN_FIX_* name is a misspelling.
+ENV_NAMES: Tuple[str, ...] = tuple(s.env for s in SETTINGS)
+# The settings a Config holds, in its field order.
+CONFIG_NAMES: Tuple[str, ...] = tuple(s.name for s in SETTINGS if s.scope == "config")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The effective settings; ``sources`` says where each came from: default, env or API."""
+    r"""The effective settings; ``sources`` says where each came from: ``"default"``, ``"env"`` or ``"API"``.
 
-    policy: str = "fp32"
+    Frozen: :func:`amp_bn_fix.get_config` returns one, :func:`amp_bn_fix.configure` changes the
+    settings in force. Two configs with the same settings compare equal whatever their sources.
+
+    Example::
+
+        >>> from amp_bn_fix import Config
+        >>> config = Config(policy="input")
+        >>> config.policy, config.devices, config.keep_fp32, config.guard
+        ('input', None, 'master', True)
+    """
+
+    policy: PolicyName = "fp32"
     devices: Optional[FrozenSet[str]] = None  # None: every device type
-    keep_fp32: str = "all"
+    keep_fp32: KeepMode = "master"
     guard: bool = True
     # Read-only, and left out of hashing and comparison: two configs with the same settings are equal.
     sources: Mapping[str, str] = dataclasses.field(
-        default_factory=lambda: MappingProxyType(dict.fromkeys(_SETTINGS, "default")), hash=False, compare=False
+        default_factory=lambda: MappingProxyType(dict.fromkeys(CONFIG_NAMES, "default")), hash=False, compare=False
     )
 
     def replace(self, source: str = "API", **changes: object) -> "Config":
@@ -120,12 +190,18 @@ class Config:
             >>> Config(guard=False).describe("guard")
             '0'
         """
-        value = getattr(self, name)
-        if name == "devices":
-            value = "all" if value is None else ",".join(sorted(value))
-        elif name == "guard":
-            value = "1" if value else "0"
-        return str(value)
+        if name not in CONFIG_NAMES:
+            raise ValueError(f"{name!r} is not a setting; the settings are {', '.join(CONFIG_NAMES)}")
+        return BY_NAME[name].spell(getattr(self, name))
+
+
+# One table: a Config field without a row, or a row without a field, is a mistake made here.
+assert tuple(f.name for f in dataclasses.fields(Config) if f.name != "sources") == CONFIG_NAMES
+# Public as amp_bn_fix.Config (its documentation, repr and help say so); it lives here to stay torch-free.
+Config.__module__ = PACKAGE
+for _method in (Config.replace, Config.describe):
+    _method.__module__ = PACKAGE
+del _method
 
 
 def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
@@ -139,16 +215,33 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
 
 def _read(environ: Mapping[str, str]) -> Config:
     changes: Dict[str, object] = {}
-    if environ.get(ENV_POLICY, "").strip():
-        changes["policy"] = check_policy(environ[ENV_POLICY], ENV_POLICY)
-    if environ.get(ENV_DEVICES, "").strip():
-        changes["devices"] = parse_devices(environ[ENV_DEVICES], ENV_DEVICES)
-    if environ.get(ENV_KEEP_FP32, "").strip():
-        changes["keep_fp32"] = check_keep_fp32(environ[ENV_KEEP_FP32], ENV_KEEP_FP32)
-    if environ.get(ENV_GUARD, "").strip():
-        changes["guard"] = parse_flag(environ[ENV_GUARD], ENV_GUARD)
-    report_requested(environ)  # a bad value is an error like any other setting's
+    for setting in SETTINGS:
+        value = environ.get(setting.env, "")
+        if setting.scope == "hook" or not value.strip():
+            continue
+        parsed = setting.parse(value, setting.env)  # an "import" setting: checked like the others
+        if setting.scope == "config":
+            changes[setting.name] = parsed
     return Config().replace("env", **changes) if changes else Config()
+
+
+def problems(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Every bad value among the settings of ``environ`` that the package reads, one message each.
+
+    :func:`from_env` raises the first of them; ``AMP_BN_FIX`` itself, which only the start-up hook
+    reads, is not among them (:func:`hook_requested`).
+    """
+    environ = os.environ if environ is None else environ
+    found = []
+    for setting in SETTINGS:
+        value = environ.get(setting.env, "")
+        if setting.scope == "hook" or not value.strip():
+            continue
+        try:
+            setting.parse(value, setting.env)
+        except ValueError as exc:
+            found.append(str(exc))
+    return found
 
 
 def hook_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -158,7 +251,8 @@ def hook_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 def report_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
     """Whether ``AMP_BN_FIX_REPORT`` asks for a summary of the counters at exit (``ValueError`` if unreadable)."""
-    return parse_flag((os.environ if environ is None else environ).get(ENV_REPORT, "0"), ENV_REPORT)
+    env = BY_NAME["report"].env
+    return parse_flag((os.environ if environ is None else environ).get(env, "0"), env)
 
 
 def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[Tuple[str, Optional[str]]]:

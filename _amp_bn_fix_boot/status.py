@@ -14,7 +14,7 @@ import sys
 from typing import List, NamedTuple, Optional, Tuple
 
 from . import settings
-from .names import BOOTSTRAP_DIR, ENV_ENABLE, ENV_NAMES, PACKAGE, START_FILES
+from .names import BOOTSTRAP_DIR, ENV_ENABLE, PACKAGE, START_FILES
 
 
 class StartupStatus(NamedTuple):
@@ -88,7 +88,7 @@ def summary(status: StartupStatus) -> str:
         return f"{PACKAGE}: the shim is enabled when a Python process of this environment imports torch"
     if status.problems:
         return f"{PACKAGE}: not enabled at import torch: " + "; ".join(status.problems)
-    given = [name for name in ENV_NAMES[1:] if name in os.environ]
+    given = [s.env for s in settings.SETTINGS if s.scope != "hook" and s.env in os.environ]
     note = f" ({', '.join(given)} set, but they apply only with it)" if given else ""
     return f"{PACKAGE}: off: {ENV_ENABLE} is not set to 1{note}"
 

@@ -25,28 +25,32 @@ Example::
 The environment picks the settings at import: ``AMP_BN_FIX_POLICY`` (``fp32``, ``input``,
 ``autocast``, ``off``), ``AMP_BN_FIX_DEVICES`` (``all`` or a comma list such as ``cuda,cpu``),
 ``AMP_BN_FIX_GUARD`` (``1``/``0``) and ``AMP_BN_FIX_KEEP_FP32`` (``all``, ``stats``, ``none``).
-A bad value makes the import raise ``ValueError``.
+A bad value makes the import raise ``ValueError``. :func:`configure` changes them at run time.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: the annotations are evaluated here, so that help() and
+# typing.get_type_hints show the allowed values, and the typing names can leave the namespace (end).
+import atexit as _atexit
+import contextlib as _contextlib
+import sys as _sys
+import threading as _threading
+import warnings as _warnings
+from typing import Any, Dict, Iterable, Iterator, Optional, Union
 
-import atexit
-import contextlib
-import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional
-
+import torch as _torch
 from _amp_bn_fix_boot import settings as _settings
 from _amp_bn_fix_boot._version import __version__
-from _amp_bn_fix_boot.settings import Config
+from _amp_bn_fix_boot.settings import Config, PolicyName
+from _amp_bn_fix_boot.settings import DeviceType as _DeviceType
+from _amp_bn_fix_boot.settings import KeepMode as _KeepMode
 
 from . import _patch, _record
 
-if TYPE_CHECKING:
-    import torch
-
 __all__ = [
     "Config",
+    "PolicyName",
     "__version__",
+    "configure",
     "disable",
     "enable",
     "get_config",
@@ -57,8 +61,11 @@ __all__ = [
     "set_policy",
 ]
 
+# configure() and set_policy() read, change and write the settings: one at a time.
+_lock = _threading.Lock()
 
-def enable(policy: Optional[str] = None) -> None:
+
+def enable(policy: Optional[PolicyName] = None) -> None:
     r"""Patch ``torch.nn.functional.batch_norm`` (idempotent).
 
     Args:
@@ -117,7 +124,7 @@ def is_enabled() -> bool:
     return _patch.is_installed()
 
 
-def get_policy() -> str:
+def get_policy() -> PolicyName:
     r"""The name of the policy in force here: ``"fp32"``, ``"input"``, ``"autocast"`` or ``"off"``.
 
     Returns:
@@ -137,7 +144,7 @@ def get_policy() -> str:
     return _patch.active_policy()
 
 
-def set_policy(name: str) -> None:
+def set_policy(name: PolicyName) -> None:
     r"""Set the process-wide policy: ``"fp32"``, ``"input"``, ``"autocast"`` or ``"off"``.
 
     It applies while the shim is enabled; it does not enable it (see :func:`enable`).
@@ -156,11 +163,11 @@ def set_policy(name: str) -> None:
           ...
         ValueError: policy='fast' is not valid; allowed values: fp32, input, autocast, off
     """
-    _patch.configure(_patch.current_config().replace(policy=_settings.check_policy(name)))
+    configure(policy=name)
 
 
-@contextlib.contextmanager
-def policy(name: str) -> Iterator[None]:
+@_contextlib.contextmanager
+def policy(name: PolicyName) -> Iterator[None]:
     r"""Override the policy within a ``with`` block (nestable), for this thread and asyncio task.
 
     Scopes are per thread and per asyncio task (they live in a :mod:`contextvars` variable): an
@@ -183,14 +190,115 @@ def policy(name: str) -> Iterator[None]:
         yield
 
 
+class _Unchanged:
+    """The default of :func:`configure`'s arguments: leave that setting as it is."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<unchanged>"
+
+
+# Typed Any so that each argument's annotation can say what it takes.
+_UNCHANGED: Any = _Unchanged()
+
+
+class _PreviousSettings(dict):
+    """What :func:`configure` returns: the settings before the call, and a context manager that
+    restores them, with their sources, when its ``with`` block ends."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__((name, getattr(config, name)) for name in _settings.CONFIG_NAMES)
+        self.config = config
+
+    def __enter__(self) -> "_PreviousSettings":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with _lock:
+            _patch.configure(self.config)
+
+
+def configure(
+    *,
+    policy: PolicyName = _UNCHANGED,
+    devices: Union[None, str, Iterable[_DeviceType]] = _UNCHANGED,
+    keep_fp32: _KeepMode = _UNCHANGED,
+    guard: bool = _UNCHANGED,
+) -> _PreviousSettings:
+    r"""Change the process-wide settings; each one left out stays as it is.
+
+    Args:
+        policy: BatchNorm's output dtype under autocast: ``"fp32"``, ``"input"``, ``"autocast"``
+            or ``"off"`` (see :func:`set_policy`).
+        devices: the device types whose calls the shim changes: ``None`` or ``"all"`` for every
+            one, else names such as ``["cuda", "cpu"]`` or a comma list ``"cuda,cpu"``.
+        keep_fp32: where BatchNorm's FP32 state lives when a model is cast to 16 bit from then
+            on: ``"master"`` (beside the model, which stays as torch casts it), ``"all"`` or
+            ``"stats"`` (inside it) or ``"none"``.
+        guard: whether a training call whose batch statistics are not finite keeps the running
+            stats as they were.
+
+    The values are those of the environment variables (``AMP_BN_FIX_POLICY``, ...), parsed alike:
+    case-insensitive words, and for ``guard`` a bool or the words ``AMP_BN_FIX_GUARD`` takes.
+    :func:`get_config` then reports ``"API"`` as their source. Like :func:`set_policy`, it does
+    not enable the shim. Safe to call from several threads.
+
+    Returns:
+        The settings before the call, as a dict (``policy``, ``devices``, ``keep_fp32``,
+        ``guard``): ``configure(**previous)`` puts their values back (their source is then
+        ``"API"``). It is also a context manager, like ``torch.set_grad_enabled``: used in a
+        ``with`` statement, the settings are changed for the block, and when it ends all of them
+        are as before it, sources included.
+
+    Raises:
+        ValueError: for a bad value, naming the argument, the value and the allowed values; no
+            setting changes then.
+
+    Example::
+
+        >>> import amp_bn_fix
+        >>> previous = amp_bn_fix.configure(guard=False, devices="cuda,cpu")
+        >>> config = amp_bn_fix.get_config()
+        >>> config.guard, sorted(config.devices), config.sources["guard"]
+        (False, ['cpu', 'cuda'], 'API')
+        >>> _ = amp_bn_fix.configure(**previous)
+        >>> amp_bn_fix.get_config() == amp_bn_fix.Config(**previous)
+        True
+        >>> before = amp_bn_fix.get_config()
+        >>> with amp_bn_fix.configure(policy="input", keep_fp32="stats"):
+        ...     amp_bn_fix.get_policy(), amp_bn_fix.get_config().keep_fp32
+        ('input', 'stats')
+        >>> amp_bn_fix.get_config() == before and amp_bn_fix.get_config().sources == before.sources
+        True
+        >>> amp_bn_fix.configure(keep_fp32="half")
+        Traceback (most recent call last):
+          ...
+        ValueError: keep_fp32='half' is not valid; allowed values: master, all, stats, none
+    """
+    given = locals()  # the arguments: one per setting of the settings table (a test pins the signature)
+    # Every value is checked before any is applied: a bad one changes nothing.
+    changes = {
+        name: _settings.BY_NAME[name].parse(given[name], name)
+        for name in _settings.CONFIG_NAMES
+        if given[name] is not _UNCHANGED
+    }
+    with _lock:
+        previous = _patch.current_config()
+        if changes:
+            _patch.configure(previous.replace("API", **changes))
+    return _PreviousSettings(previous)
+
+
 def get_config() -> Config:
     r"""The process-wide settings and where each came from.
 
     Returns:
         A frozen :class:`Config` with ``policy``, ``devices`` (``None`` for every device type, else
         a frozenset of names), ``keep_fp32`` and ``guard``, and ``sources`` mapping each of them to
-        ``"default"``, ``"env"`` or ``"API"``. :meth:`Config.describe` spells a setting as its
-        environment variable would. ``policy()`` scopes are not part of it (see :func:`get_policy`).
+        ``"default"``, ``"env"`` or ``"API"`` (:func:`configure`, :func:`set_policy`).
+        :meth:`Config.describe` spells a setting as its environment variable would. ``policy()``
+        scopes are not part of it (see :func:`get_policy`).
 
     Example::
 
@@ -205,17 +313,19 @@ def get_config() -> Config:
     return _patch.current_config()
 
 
-def report(model: Optional["torch.nn.Module"] = None) -> Dict[str, Any]:
+def report(model: Optional[_torch.nn.Module] = None) -> Dict[str, Any]:
     r"""What the shim has done in this process: counters, read now.
 
     Returns:
         ``{"handled": {policy: calls}, "passed_through": calls, "guard_skips": {module: skips}}``:
-        the calls the shim computed, per policy in force (``off`` for the ``stats`` models it computes
-        anyway), the calls it left to torch, and per BatchNorm module the training steps whose
-        running-stat update the guard skipped. Modules are named by their path in ``model`` when
-        given, else by type and address. Counting costs no host-device sync; reading the guard's
-        counters of tensors on a device here does. Calls made by compiled code are not counted
-        (their tracing is).
+        the calls the shim computed, counted under what they did (the policy in force under
+        autocast; ``input`` for calls outside autocast and for the ``stats`` models computed
+        under the policy ``off``: FP32 arithmetic, the input's dtype out), the calls it left to
+        torch, and per BatchNorm module the training steps whose running-stat update the guard
+        skipped. Modules are named by their path in ``model`` when given, else by type and address.
+        Counting costs no host-device sync; reading the guard's counters of tensors on a device
+        here does (skips decided on a device are known only then). Calls made by compiled code
+        are not counted (their tracing is).
 
     Example::
 
@@ -230,11 +340,45 @@ def report(model: Optional["torch.nn.Module"] = None) -> Dict[str, Any]:
     return _record.snapshot(model)
 
 
-_patch.configure(_settings.from_env())
-if _settings.report_requested():
-    atexit.register(_record.print_summary)
-_unknown = _settings.unknown_names()
-if _unknown:
-    warnings.warn(f"amp_bn_fix: {_settings.describe_unknown(_unknown)}", RuntimeWarning, stacklevel=2)
-if _patch.current_config().policy != "off":
-    enable()
+def _imported_to_run_the_command() -> bool:
+    """Whether runpy is importing this package to run it as a program: ``python -m amp_bn_fix``.
+
+    ``-m`` imports a package before its ``__main__``, so nothing of the command can run first. The
+    command checks the settings itself and reports each bad one as a line, without a traceback;
+    only there may the import leave a bad setting to it. runpy names the module it runs
+    ``mod_name`` (``runpy.run_module``'s parameter), in each of its frames under this import.
+    """
+    ours = (__name__, __name__ + ".__main__")
+    frame = _sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "runpy" and frame.f_locals.get("mod_name") in ours:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _start() -> None:
+    """Apply the environment's settings and enable the shim (unless ``AMP_BN_FIX_POLICY=off``)."""
+    try:
+        config = _settings.from_env()
+        report_at_exit = _settings.report_requested()
+    except ValueError:
+        if _imported_to_run_the_command():
+            return  # the command reports it, and enables nothing
+        raise
+    _patch.configure(config)
+    if report_at_exit:
+        _atexit.register(_record.print_summary)
+    unknown = _settings.unknown_names()
+    if unknown:
+        # 3: the frame that imports amp_bn_fix (warnings skips the import system's own frames).
+        _warnings.warn(f"amp_bn_fix: {_settings.describe_unknown(unknown)}", RuntimeWarning, stacklevel=3)
+    if config.policy != "off":
+        enable()
+
+
+_start()
+
+# What remains in the namespace is the public API (and private names): the typing names served
+# the annotations above, which are evaluated by now.
+del Any, Dict, Iterable, Iterator, Optional, Union

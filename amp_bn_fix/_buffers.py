@@ -8,7 +8,10 @@ before, so values never round-trip through half (16-bit tensors from before the 
 torch's own code still decides how each result is stored (``.data`` assignment, a new Parameter, or
 a swap), so Parameter identity, gradients and optimizer references behave exactly as in torch.
 
-Stateless: the runtime (``_patch``) passes in the original ``_apply`` and the keep mode.
+With ``keep_fp32=master`` (the default) the cast is torch's own and :func:`apply_carrying_masters`
+moves the running stats' FP32 masters (``_master``) along with it.
+
+The runtime (``_patch``) passes in the original ``_apply`` and the keep mode.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, FrozenSet, Optional, Set, Tuple
 
 import torch
+
+from . import _master
 
 _HALF = (torch.float16, torch.bfloat16)
 _STATS = ("running_mean", "running_var")
@@ -76,3 +81,46 @@ def apply_keeping_fp32(
         return source.to(device=result.device, dtype=torch.float32)
 
     return original(keeping_fn, *rest, **rest_kwargs)
+
+
+def apply_carrying_masters(
+    original: Callable[..., torch.nn.Module],
+    module: torch.nn.Module,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    devices: Optional[FrozenSet[str]] = None,
+) -> torch.nn.Module:
+    """Run ``module._apply`` as torch does, the running stats' FP32 master following the cast.
+
+    The module gets exactly torch's tensors. Cast to 16 bits from FP32 stats, the new buffers get a
+    master made from the FP32 values before the cast; moved (``.to(device)``) or cast between 16-bit
+    dtypes, they keep their master, moved along; cast back to FP32 (``.float()``), they take the
+    master's values instead of the rounded ones. Nothing happens for a device type left out.
+    """
+    if not (args or "fn" in kwargs):
+        return original(*args, **kwargs)  # a malformed call raises torch's own error
+    fn, rest, rest_kwargs = _split_fn(args, kwargs)
+    mean, var = module._buffers.get("running_mean"), module._buffers.get("running_var")
+    if mean is None or var is None or mean.is_meta:
+        return original(*args, **kwargs)
+    kept = _master.peek(mean, var) if mean.dtype in _HALF else None
+    if kept is None and mean.dtype is torch.float32 and var.dtype is torch.float32:
+        kept = torch.stack((mean.detach(), var.detach()))
+    if kept is None:
+        return original(*args, **kwargs)
+
+    def carrying_fn(tensor: torch.Tensor) -> torch.Tensor:
+        result = fn(tensor)
+        if (tensor is mean or tensor is var) and result.dtype is torch.float32 and tensor.dtype in _HALF:
+            # Back to FP32: the master's values, not the rounded ones.
+            return kept[0 if tensor is mean else 1].to(result.device, copy=True)
+        return result
+
+    out = original(carrying_fn, *rest, **rest_kwargs)
+    new_mean, new_var = module._buffers.get("running_mean"), module._buffers.get("running_var")
+    if (
+        new_mean is not None and new_var is not None and new_mean.dtype in _HALF and new_var.dtype is new_mean.dtype
+        and not new_mean.is_meta and (devices is None or new_mean.device.type in devices)
+    ):
+        _master.seed(new_mean, new_var, kept.to(new_mean.device, torch.float32, copy=True))
+    return out

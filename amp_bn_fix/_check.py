@@ -68,7 +68,7 @@ def versions() -> List[Tuple[str, str]]:
 def config_rows() -> List[Tuple[str, str, str]]:
     """(setting, value, where it came from: default / env / API) for the effective config."""
     config = _patch.current_config()
-    return [(name, config.describe(name), config.sources[name]) for name in ("policy", "devices", "keep_fp32", "guard")]
+    return [(name, config.describe(name), config.sources[name]) for name in settings.CONFIG_NAMES]
 
 
 def self_test(device: str, dtype: torch.dtype) -> SelfTest:
@@ -96,7 +96,7 @@ class Expected(NamedTuple):
 def expected_output(config: settings.Config, device: str, dtype: torch.dtype) -> Expected:
     """What the self-test's BatchNorm returns under ``config`` and ``dtype`` autocast on ``device``."""
     if config.devices is not None and device not in config.devices:
-        return Expected(dtype, True, f"passed through: {device} is not in AMP_BN_FIX_DEVICES={config.describe('devices')}")
+        return Expected(dtype, True, f"passed through: {device} is not among the devices ({config.describe('devices')})")
     if config.policy == "off":
         return Expected(dtype, True, "passed through: policy off")
     return Expected(torch.float32 if config.policy == "fp32" else dtype, False, f"policy {config.policy}")

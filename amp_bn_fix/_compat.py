@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional
+import sys
+from typing import ContextManager, Optional, Tuple
 
 import torch
 import torch._guards
@@ -24,6 +25,12 @@ _key_included = torch._C._dispatch_tls_is_dispatch_key_included
 _functorch_active = torch._C._are_functorch_transforms_active
 _forward_ad = torch.autograd.forward_ad
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
+# Whether any TorchFunctionMode is active (strict export's, torch.set_default_device's...): one C call.
+function_mode_enabled = _function_mode_enabled
+# True for a batched (vmap, either kind), functorch-wrapped or Python-subclass tensor.
+subclass_like = torch._C._dispatch_isTensorSubclassLike
+_DispatchKey = torch._C.DispatchKey
+_ExcludeKeys = torch._C._ExcludeDispatchKeyGuard
 # torch.jit.trace is recording this call.
 jit_tracing = torch._C._is_tracing
 # True only in code dynamo is tracing (not while it runs a traced call on fake tensors).
@@ -35,6 +42,7 @@ try:
 except ImportError:  # torch < 2.6
     _compiler_config = None
 _TAG_SEPARATOR = "|amp_bn_fix:"
+_modules = sys.modules
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -55,6 +63,26 @@ def autocast_disabled(device_type: str) -> ContextManager[object]:
     if _is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+# The autocast dispatch key of each device type that has one.
+_AUTOCAST_KEYS = {
+    device_type: torch._C.DispatchKeySet(getattr(_DispatchKey, key))
+    for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"), ("xpu", "AutocastXPU"),
+                             ("mps", "AutocastMPS"), ("hpu", "AutocastHPU"), ("privateuseone", "AutocastPrivateUse1"))
+    if hasattr(_DispatchKey, key)
+}
+
+
+def autocast_excluded(device_type: str) -> ContextManager[object]:
+    """Plain eager mode's cheap :func:`autocast_disabled`: ops skip autocast's dispatch key.
+
+    One C++ guard instead of ``torch.autocast(enabled=False)``'s Python set-up (several
+    microseconds per call). Tracers and torch.compile get :func:`autocast_disabled`, which they
+    understand; the two differ only in what ``torch.is_autocast_enabled()`` reports inside.
+    """
+    keys = _AUTOCAST_KEYS.get(device_type)
+    return _ExcludeKeys(keys) if keys is not None else autocast_disabled(device_type)
 
 
 def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
@@ -80,9 +108,16 @@ def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
         or _functorch_active()
         or _forward_ad._current_level >= 0
         or jit_tracing()
-        or torch.compiler.is_compiling()
-        or is_exporting()
+        or (dynamo_imported() and (torch.compiler.is_compiling() or is_exporting()))
     )
+
+
+def dynamo_imported() -> bool:
+    """Whether torch.compile or strict export can be tracing at all (neither runs before dynamo is imported).
+
+    Their checks are Python functions: skipping them spares plain eager code a microsecond a call.
+    """
+    return "torch._dynamo" in _modules
 
 
 def _only_default_device_modes() -> bool:
@@ -97,10 +132,14 @@ def _only_default_device_modes() -> bool:
 def is_compiling() -> bool:
     """Whether torch.compile is tracing this call, in dynamo or in the backend that compiles its graph.
 
+    False at once while dynamo is not imported (:func:`dynamo_imported`).
+
     Up to torch 2.6 at least, dynamo puts the patched ``F.batch_norm`` into its graph as torch's own
     function (the wrapper compares equal to it): the wrapper first runs when AOTAutograd traces that
     graph, where ``torch.compiler.is_compiling()`` is False but a tracing context is set.
     """
+    if not dynamo_imported():
+        return False
     return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
@@ -151,3 +190,48 @@ def set_compile_cache_tag(settings: Optional[str]) -> None:
         tag += _TAG_SEPARATOR + settings
     if tag != current:
         _compiler_config.cache_key_tag = tag
+
+
+_aten = torch.ops.aten
+_to_copy = _aten._to_copy.default
+
+
+def to_copy(t: torch.Tensor, dtype: torch.dtype, eager: bool = False) -> torch.Tensor:
+    """``t`` as a new tensor of ``dtype``, differentiable and recorded by every tracer.
+
+    Traced, a copy op, unlike ``t.float()``: torch.export pins the input dtype of ``.to`` calls,
+    which would stop an exported program from running without autocast; under torch.jit.trace it
+    is ``.to``, the cast TorchScript's ONNX exporter knows. In plain ``eager`` mode the method,
+    which costs half as much host time as the op looked up in ``torch.ops``.
+    """
+    if eager or jit_tracing():
+        return t.to(dtype, copy=True)
+    return _to_copy(t, dtype=dtype)
+
+
+def foreach_copy(targets: Tuple[torch.Tensor, ...], sources: Tuple[torch.Tensor, ...]) -> None:
+    """``target.copy_(source)`` for each pair: one op where torch has the fused form."""
+    if _foreach_copy is not None:
+        _foreach_copy(targets, sources)
+        return
+    for target, source in zip(targets, sources):
+        target.copy_(source)
+
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+# The dispatcher door (``_dispatch``): registering Python kernels at autocast's keys.
+# A C++ guard: ops inside skip the given keys (``torch._C._ExcludeDispatchKeyGuard``).
+exclude_dispatch_keys = _ExcludeKeys
+
+
+def dispatch_key_set(key: str) -> Optional["torch._C.DispatchKeySet"]:
+    """The key set of one dispatch key by name, None where this torch has no such key."""
+    dispatch_key = getattr(_DispatchKey, key, None)
+    return torch._C.DispatchKeySet(dispatch_key) if dispatch_key is not None else None
+
+
+def has_dispatch_kernel(op: str, key: str) -> bool:
+    """Whether ``op`` (``"aten::batch_norm"``) has a kernel of its own at dispatch key ``key``."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)

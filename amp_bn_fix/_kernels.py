@@ -24,37 +24,26 @@ a tracer would record faithfully.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from . import _tuning
+from ._compat import subclass_like as _subclass_like
+
 _aten = torch.ops.aten
-# True for a batched (vmap, either kind), functorch-wrapped or Python-subclass tensor.
-_subclass_like = torch._C._dispatch_isTensorSubclassLike
-# Where the FP32 training fast path pays: at one torch thread its dozen small ops pay back on inputs
-# of half a million values with at least 1536 per channel, and :func:`_batch_stats` needs rows (one
-# sample, one channel) of at least 32 values to be quick. Measured fwd+bwd, fast / reference, one
-# thread (AMD EPYC, AVX512): (16,256,14,14) 0.66, (64,240,6,6) 0.82, (16,64,28,28) 0.84; but
-# (8,256,14,14) 1.18, (8,16,48,48) 1.40 and (4,4,128,128) 1.43 (0.26 to 0.4 million values); on a
-# Xeon (AVX512): (8,240,12,12) 1.20 (1152 per channel), (128,576,3,3) 1.19 (rows of 9). With more
-# threads the reference's few large ops split across them while the fast path's many ops each pay
-# a fork and join, so the size it needs grows with the thread count, faster than linearly
-# (:func:`_min_values`).
+# Rows (one sample, one channel) shorter than this make :func:`_batch_stats` slow: the kernel
+# reduces rows given as channels one by one.
 _MIN_ROW = 32
-_MIN_VALUES = 1 << 19
-_MIN_PER_CHANNEL = 1536
 # Longest piece of a row reduced in float: longer rows are split into equal pieces of at most this
 # many values. The error of a float accumulation grows with its length (rows of 65536 values around
 # a mean of 3: 2e-6 relative in the output, against 1e-7 for the FP32 kernel; 1024: 1.7e-7).
 _MAX_ROW = 1024
-# Values per FP32 chunk and torch thread in the fast path's forward and backward (1 MiB each):
-# small enough to stay in each core's cache, and each elementwise op on a chunk splits it between
-# the threads, so a chunk grows with them (fewer, larger parallel ops).
-_CHUNK = 1 << 18
 
 
 def mixed_batch_norm(
-    original,
+    original: Callable[..., torch.Tensor],
+    layout: torch.memory_format,
     input: torch.Tensor,
     running_mean: Optional[torch.Tensor],
     running_var: Optional[torch.Tensor],
@@ -64,17 +53,16 @@ def mixed_batch_norm(
     momentum: float,
     eps: float,
 ) -> torch.Tensor:
-    """A half-precision output computed in FP32 by the native mixed-dtype kernel.
+    """A half-precision output computed in FP32 by the native mixed-dtype kernel on CPU.
 
-    ``original`` validates the call and raises its own errors. Only for the layouts
-    :func:`mixed_kernel_layout` accepts.
+    ``original`` (``F.batch_norm``'s signature) validates the call and raises its own errors.
+    ``layout`` is what :func:`mixed_kernel_layout` found for ``input``.
     """
     if weight is None and bias is None and running_mean is None and running_var is None and input.dim() >= 2:
         # With no FP32 tensor in the call the kernel takes its all-half path, which rounds the
         # batch statistics to half; one FP32 weight of ones makes it the mixed (FP32) kernel.
         weight = torch.ones(input.shape[1], dtype=torch.float32, device=input.device)
     out = original(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    layout = mixed_kernel_layout(input)
     if layout is not torch.contiguous_format and out.requires_grad:
         # On CPU the mixed backward accumulates in the input's dtype when the incoming gradient is
         # laid out differently from a channels_last input (bfloat16 bias gradients off by ~1e-3):
@@ -114,33 +102,21 @@ def fp32_train_eligible(
     path: errors and edge cases stay the original's. So do layouts other than contiguous NCHW: the
     row-wise reduction would copy them, and the reference path is fast for channels_last.
     """
-    if training is not True or type(momentum) not in (int, float) or type(eps) not in (int, float):
+    if training is not True or input.numel() < _tuning.min_values():
+        return False
+    if type(momentum) not in (int, float) or type(eps) not in (int, float):
         return False
     shape = input.shape
     if len(shape) < 2 or not input.is_contiguous() or not eps > 0.0 or (running_mean is None) is not (running_var is None):
         return False
     values = input.numel() // shape[1] if shape[1] else 0
-    if values < 2 or values < _MIN_PER_CHANNEL or input.numel() < _min_values() or _row_pieces(values // shape[0]) is None:
+    if values < 2 or values < _tuning.MIN_PER_CHANNEL or _row_pieces(values // shape[0]) is None:
         return False
     channels = (shape[1],)
     return all(
         t is None or (t.shape == channels and t.dtype is torch.float32 and t.is_cpu)
         for t in (running_mean, running_var, weight, bias)
     )
-
-
-def _min_values() -> int:
-    """The fewest values the fast path takes: ``_MIN_VALUES`` times the square of the torch thread count.
-
-    Measured fwd+bwd at two threads (AMD EPYC, AVX512), fast / reference: (32,64,56,56) 0.56-0.76,
-    (32,128,28,28) 0.70 (3.2 to 6.4 million values); (32,256,14,14) 0.89 to 1.25 from run to run
-    and (8,64,56,56) 0.93 (1.6 million); (16,256,14,14) 1.19, (32,512,7,7) 1.04, (64,240,6,6)
-    1.22, (8,96,24,24) 1.45 (0.4 to 0.8 million), most of which win at one thread. So at two
-    threads it starts at 2 million values; beyond two nothing was measured, and the square keeps
-    it to inputs where each thread's share is still a few million values.
-    """
-    threads = torch.get_num_threads()
-    return _MIN_VALUES * threads * threads
 
 
 class _NormalizeWithBatchStats(torch.autograd.Function):
@@ -198,7 +174,7 @@ def _backward_in_chunks(
     """Training-mode batch-norm backward of a half ``input``, upcast a few samples at a time.
 
     torch's FP32 backward needs a whole FP32 copy of the input next to its FP32 input gradient;
-    here each FP32 temporary covers at most ``_CHUNK`` values per thread, so it stays in cache and the peak
+    here each FP32 temporary covers at most ``_tuning.CHUNK`` values per thread, so it stays in cache and the peak
     memory stays near native autocast's. Two passes over the chunks: torch's backward computes
     the per-channel sums of each chunk (weight and bias gradients only), then
     ``grad_input = a * grad + b * (x - mean) + c``, torch's formula with the per-channel terms
@@ -236,8 +212,8 @@ def _backward_in_chunks(
 
 
 def _chunks(input: torch.Tensor) -> List[slice]:
-    """Slices of whole samples of ``input`` of about ``_CHUNK`` values per torch thread (at least one sample)."""
-    step = max(1, _CHUNK * torch.get_num_threads() // max(1, input[0].numel()))
+    """Slices of whole samples of ``input`` of about ``_tuning.CHUNK`` values per torch thread (at least one sample)."""
+    step = max(1, _tuning.CHUNK * torch.get_num_threads() // max(1, input[0].numel()))
     return [slice(start, start + step) for start in range(0, input.shape[0], step)]
 
 

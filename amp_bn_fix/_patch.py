@@ -1,7 +1,9 @@
-"""Install and remove the patches: the one owner of patched state.
+"""Install and remove the patches: the one owner of patched state, settings and policy scopes.
 
-The ``F.batch_norm`` wrapper's pass-through path is a dtype check (and, for a 16-bit input, a
-thread-local read) before calling the original: no argument binding, no allocation.
+Two wrappers, one per entry point (``F.batch_norm`` and SyncBatchNorm's syncing path), each a
+straight line: the pass-through test (a dtype check, then a thread-local read for 16-bit inputs:
+no argument binding, no allocation), then ``_decide.plan``, then the computation
+(``_compute``/``_sync``, whose running-stat updates ``_stats`` owns).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional
 import wrapt
 
-from . import _buffers, _compat, _policy, _record, _sync
+from . import _buffers, _compat, _compute, _decide, _master, _record, _sync
 from _amp_bn_fix_boot.settings import Config
 
 log = logging.getLogger("amp_bn_fix")
@@ -30,7 +32,7 @@ log = logging.getLogger("amp_bn_fix")
 _F16 = torch.float16
 _BF16 = torch.bfloat16
 _F32 = torch.float32
-_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_function_mode_enabled = _compat.function_mode_enabled
 _counts = _record.counts
 
 
@@ -127,74 +129,83 @@ def _is_shim_wrapper(obj: Any) -> bool:
     return getattr(type(obj), "_amp_bn_fix_wrapper", False) is True
 
 
-def _refuse_recorded_region(original: Any, call: Any, policy: str, region_dtype: torch.dtype, guard: bool) -> torch.Tensor:
-    raise RuntimeError(
-        "amp_bn_fix: strict torch.export records the torch.autocast block inside forward() without "
-        f"running it, and SyncBatchNorm's syncing path cannot carry the BatchNorm policy {policy!r} "
-        "into the recorded block. Export with strict=False, enter torch.autocast around the export "
-        "call instead, or export with amp_bn_fix.policy('off')."
-    )
+def _passes(input: Any) -> bool:
+    """Whether a call on ``input`` goes straight to torch: the test every call pays, so first and cheap.
 
-
-_Wrapper = Callable[[Callable[..., torch.Tensor], Any, tuple, dict], torch.Tensor]
-
-
-def _policy_wrapper(
-    bind: Callable[..., Any],
-    as_batch_norm_call: Callable[[Any], _policy.BatchNormCall],
-    compute: Callable[..., torch.Tensor],
-    compute_recorded: Callable[[Callable[..., torch.Tensor], Any, str, torch.dtype, bool], torch.Tensor],
-) -> _Wrapper:
-    """A wrapt wrapper that applies the policy to one batch-norm entry point.
-
-    ``bind`` names the entry point's arguments (``TypeError`` for a malformed call),
-    ``as_batch_norm_call`` presents them as ``F.batch_norm``'s for the policy,
-    ``compute(original, call, out_dtype, guard, on_check)`` computes a handled call, and
-    ``compute_recorded(original, call, policy, region_dtype, guard)`` one that strict export
-    traces inside an autocast region it records without entering.
+    Most calls are FP32 and leave here, unless a TorchFunctionMode is active: strict export's
+    records autocast regions without entering them (see ``_compute.recorded_region_batch_norm``).
     """
+    dtype = getattr(input, "dtype", None)
+    return dtype is not _F16 and dtype is not _BF16 and (dtype is not _F32 or not _function_mode_enabled())
 
-    def wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-        # The dtype test comes first: most calls are FP32 and leave after it (unless a
-        # TorchFunctionMode is active: strict export's, see ``compute_recorded``).
-        input = args[0] if args else kwargs.get("input")
-        dtype = getattr(input, "dtype", None)
-        if dtype is not _F16 and dtype is not _BF16 and (dtype is not _F32 or not _function_mode_enabled()):
-            _counts.passed += 1
-            return wrapped(*args, **kwargs)
-        thread, config = _thread, _config
-        # Re-entered from inside a handled call, or a reference kept after disable().
-        if thread.inside or not _handles:
-            return wrapped(*args, **kwargs)
-        try:
-            call = bind(*args, **kwargs)
-        except TypeError:
-            _counts.passed += 1
-            return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
-        device_type = input.device.type
-        selected = config.devices is None or device_type in config.devices
-        policy = _policy_noting_compiled(config) if selected else "off"
-        guard = config.guard
-        if policy != "off":
-            region_dtype = _compat.recorded_autocast_dtype(device_type)
-            if region_dtype is not None:
-                return _inside(compute_recorded, wrapped, call, policy, region_dtype, guard)
-        if dtype is _F32:
-            _counts.passed += 1
-            return wrapped(*args, **kwargs)
-        bn_call = as_batch_norm_call(call)
-        out_dtype = _policy.output_dtype(policy, bn_call)
-        if out_dtype is None:
-            if not _policy.left_by_keep_stats(bn_call):
-                _counts.passed += 1
-                return wrapped(*args, **kwargs)
-            # A model cast with AMP_BN_FIX_KEEP_FP32=stats, which torch's kernels reject: the
-            # arithmetic is FP32, the rest is the pass-through's (input dtype, no guard).
-            out_dtype, guard = dtype, False
-        _record.handled(policy)
-        return _inside(compute, wrapped, call, out_dtype, guard, _record.guard_checked)
 
-    return wrapper
+def _policy_for(device_type: str, config: Config) -> str:
+    """The policy for one call on ``device_type``: ``off`` for a type the settings leave out."""
+    if config.devices is not None and device_type not in config.devices:
+        return "off"
+    return _policy_noting_compiled(config)
+
+
+def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The wrapper of ``torch.nn.functional.batch_norm``: decide, then compute or pass through."""
+    input = args[0] if args else kwargs.get("input")
+    if _passes(input):
+        _counts.passed += 1
+        return wrapped(*args, **kwargs)
+    # Re-entered from inside a handled call, or a reference kept after disable().
+    if _thread.inside or not _handles:
+        return wrapped(*args, **kwargs)
+    try:
+        call = _decide.bind(*args, **kwargs)
+    except TypeError:
+        _counts.passed += 1
+        return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
+    config = _config
+    device_type = input.device.type
+    policy = _policy_for(device_type, config)
+    region_dtype = _compat.recorded_autocast_dtype(device_type) if policy != "off" else None
+    if region_dtype is not None:
+        return _inside(_compute.recorded_region_batch_norm, wrapped, call, policy, region_dtype, config.guard)
+    plan = _decide.plan(call, policy, config.guard, config.keep_fp32, _master.is_kept)
+    if plan is None:
+        _counts.passed += 1
+        if call.training and call.running_mean is not None:
+            _master.forget(call.running_mean)  # torch updates the stats: their master no longer holds
+        return wrapped(*args, **kwargs)
+    _record.handled(plan.counted_as)
+    return _inside(_compute.batch_norm, wrapped, call, plan)
+
+
+def _sync_batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict
+                             ) -> torch.Tensor:
+    """The wrapper of ``SyncBatchNorm.apply``, nn.SyncBatchNorm's syncing path (more than one rank)."""
+    input = args[0] if args else kwargs.get("input")
+    if _passes(input):
+        _counts.passed += 1
+        return wrapped(*args, **kwargs)
+    if _thread.inside or not _handles:
+        return wrapped(*args, **kwargs)
+    try:
+        call = _sync.bind(*args, **kwargs)
+    except TypeError:
+        _counts.passed += 1
+        return wrapped(*args, **kwargs)
+    config = _config
+    policy = _policy_for(input.device.type, config)
+    if policy != "off" and _compat.recorded_autocast_dtype(input.device.type) is not None:
+        raise RuntimeError(
+            "amp_bn_fix: strict torch.export records the torch.autocast block inside forward() without "
+            f"running it, and SyncBatchNorm's syncing path cannot carry the BatchNorm policy {policy!r} "
+            "into the recorded block. Export with strict=False, enter torch.autocast around the export "
+            "call instead, or export with amp_bn_fix.policy('off')."
+        )
+    # SyncBatchNorm's 16-bit stats are updated through FP32 copies, without a master.
+    plan = _decide.plan(_sync.as_batch_norm_call(call), policy, config.guard, "none")
+    if plan is None:
+        _counts.passed += 1
+        return wrapped(*args, **kwargs)
+    _record.handled(plan.counted_as)
+    return _inside(_sync.fp32_sync_batch_norm, wrapped, call, plan.out_dtype, plan.guard)
 
 
 def _inside(compute: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -206,18 +217,11 @@ def _inside(compute: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         _thread.inside = False
 
 
-_batch_norm_wrapper = _policy_wrapper(
-    _policy.bind, lambda call: call, _policy.fp32_batch_norm, _policy.recorded_region_batch_norm
-)
-# nn.SyncBatchNorm's syncing path (more than one rank) bypasses F.batch_norm.
-_sync_batch_norm_wrapper = _policy_wrapper(
-    _sync.bind, _sync.as_batch_norm_call, _sync.fp32_sync_batch_norm, _refuse_recorded_region
-)
-
-
 def _module_apply_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``_BatchNorm._apply``: model casts keep BatchNorm FP32 as ``keep_fp32`` says (settings read per call)."""
     keep = "none" if active_policy() == "off" else _config.keep_fp32
+    if keep == "master":
+        return _buffers.apply_carrying_masters(wrapped, instance, args, kwargs, _config.devices)
     return _buffers.apply_keeping_fp32(wrapped, instance, args, kwargs, keep, _config.devices)
 
 
@@ -252,6 +256,9 @@ def _tag_compile_caches() -> None:
         c = _config
         policy = _scope_policy() or c.policy
         settings = f"policy={policy},guard={c.describe('guard')},devices={c.describe('devices')}"
+        from . import _dispatch  # code compiled with the dispatcher door differs from code without it
+
+        settings += f",dispatch={_dispatch.describe()}"
     _compat.set_compile_cache_tag(settings)
 
 
@@ -324,7 +331,9 @@ def _targets() -> List[Tuple[Any, str, Callable[..., Any]]]:
 
 
 def is_installed() -> bool:
-    return bool(_handles)
+    from . import _dispatch  # the dispatcher door, installed and removed with the wrappers
+
+    return bool(_handles) or _dispatch.is_registered()
 
 
 @contextlib.contextmanager
@@ -380,6 +389,10 @@ def install() -> bool:
                     wrapt.unwrap_object(owner, name, stale)
                 _handles[owner, name] = wrapt.wrap_object(owner, name, ShimWrapper, (wrapper, isinstance(owner, types.ModuleType)))
                 applied = True
+        # The dispatcher door: every other way to aten::batch_norm under autocast (see ``_dispatch``).
+        from . import _dispatch
+
+        applied = _dispatch.register() or applied
         if applied:
             log.debug("patched torch.nn.functional.batch_norm (policy %s)", _config.policy)
             _settings_changed()
@@ -420,7 +433,11 @@ def uninstall() -> bool:
                     continue
                 if _handles.get((owner, name)) is handle:
                     del _handles[owner, name]
+        from . import _dispatch
+
+        found = _dispatch.unregister() or found
         if found:
+            _master.clear()  # the buffers are torch's alone from now on
             _settings_changed()
         if found and removed_all:
             log.debug("restored torch.nn.functional.batch_norm")

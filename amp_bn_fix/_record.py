@@ -1,9 +1,9 @@
 """The record of what the shim did: counters kept without a host-device sync, read on demand.
 
 Calls are counted on the host where the wrapper decides (an integer increment). The guard's
-decisions are counted where they are made: on the host for CPU tensors, and for tensors on a
-device in a 0-dim device tensor per running mean, added to without a sync and read only by
-:func:`snapshot`. Only plain eager calls are counted: traced and compiled code runs without the
+decisions are counted where they are made: skips decided on the host there; decisions made on a
+device are kept as the 0-dim device tensors they are (summed on the device every few dozen calls,
+no sync) next to a host count of checks, and only :func:`snapshot` reads them and derives the skips. Only plain eager calls are counted: traced and compiled code runs without the
 wrapper's Python (its calls are counted while tracing, not when the compiled code runs).
 """
 
@@ -13,7 +13,7 @@ import gc
 import sys
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -27,29 +27,70 @@ class _Counts:
 
 
 counts = _Counts()
-# id(running_mean) -> [weak reference to it, host count, device count or None, label or None]
-_skips: Dict[int, List[Any]] = {}
+# The device route's decisions are kept as they come and summed every this many: one stack and
+# one sum on the device per _FOLD calls, instead of an add per call.
+_FOLD = 64
+
+
+class _GuardRecord:
+    """What the guard decided for one running mean."""
+
+    __slots__ = ("ref", "host_skips", "device_checks", "device_flags", "device_kept", "label")
+
+    def __init__(self, running_mean: torch.Tensor) -> None:
+        self.ref = weakref.ref(running_mean)
+        self.host_skips = 0
+        self.device_checks = 0
+        # 0-dim bool device tensors not summed yet, and the sum of those that were.
+        self.device_flags: List[torch.Tensor] = []
+        self.device_kept: Optional[torch.Tensor] = None
+        self.label: Optional[str] = None
+
+    def skips(self) -> int:
+        """Reads the device's decisions (a sync): only :func:`snapshot` calls it."""
+        kept = sum(int(flag) for flag in self.device_flags)
+        if self.device_kept is not None:
+            kept += int(self.device_kept.item())
+        return self.host_skips + self.device_checks - kept
+
+
+# id(running_mean) -> its record
+_guard: Dict[int, _GuardRecord] = {}
 _warned = False
 
 
-def handled(policy: str) -> None:
-    counts.handled[policy] = counts.handled.get(policy, 0) + 1
+def handled(counted_as: str) -> None:
+    counts.handled[counted_as] = counts.handled.get(counted_as, 0) + 1
 
 
-def guard_checked(running_mean: torch.Tensor, finite: Union[bool, torch.Tensor]) -> None:
-    """The guard's decision for one call (``_policy.GuardCheck``): a skip when ``finite`` is False."""
-    if finite is True:
-        return
+def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
     key = id(running_mean)
-    entry = _skips.get(key)
-    if entry is None or entry[0]() is not running_mean:
-        entry = _skips[key] = [weakref.ref(running_mean), 0, None, None]
-    if finite is False:
-        entry[1] += 1
-        _warn_first_skip(running_mean, entry)
-    else:
-        skipped = torch.logical_not(finite).to(torch.int64)
-        entry[2] = skipped if entry[2] is None else entry[2].add_(skipped)
+    record = _guard.get(key)
+    if record is None or record.ref() is not running_mean:
+        record = _guard[key] = _GuardRecord(running_mean)
+    return record
+
+
+def skipped(running_mean: torch.Tensor) -> None:
+    """The guard, deciding on the host, left ``running_mean`` (and its variance) as they were."""
+    record = _record_of(running_mean)
+    record.host_skips += 1
+    _warn_first_skip(running_mean, record)
+
+
+def checked_on_device(running_mean: torch.Tensor, finite: torch.Tensor) -> None:
+    """The guard decided on the device (``finite``, a 0-dim bool tensor, True where it updated).
+
+    Nothing is read here; :func:`snapshot` derives the skips from the checks and the kept updates.
+    """
+    record = _record_of(running_mean)
+    record.device_checks += 1
+    flags = record.device_flags
+    flags.append(finite)
+    if len(flags) == _FOLD:
+        kept = torch.stack(flags).sum()
+        record.device_kept = kept if record.device_kept is None else record.device_kept.add_(kept)
+        flags.clear()
 
 
 def _label(running_mean: torch.Tensor) -> str:
@@ -63,14 +104,14 @@ def _label(running_mean: torch.Tensor) -> str:
     return f"F.batch_norm's running stats ({running_mean.numel()} channels) at {id(running_mean):#x}"
 
 
-def _warn_first_skip(running_mean: torch.Tensor, entry: List[Any]) -> None:
+def _warn_first_skip(running_mean: torch.Tensor, record: _GuardRecord) -> None:
     global _warned
     if _warned:
         return
     _warned = True
-    entry[3] = entry[3] or _label(running_mean)
+    record.label = record.label or _label(running_mean)
     warnings.warn(
-        f"amp_bn_fix: the guard left the running stats of {entry[3]} as they were: this batch's "
+        f"amp_bn_fix: the guard left the running stats of {record.label} as they were: this batch's "
         "statistics were not finite (inf or NaN). Further skips are counted, not reported: see amp_bn_fix.report()",
         RuntimeWarning,
         stacklevel=2,
@@ -88,16 +129,13 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
         names = {id(m.running_mean): name for name, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None}
     skips: Dict[str, int] = {}
-    for key, entry in list(_skips.items()):
-        ref, host, device, label = entry
-        stat = ref()
-        if stat is None and not host and device is None:
-            continue
-        total = host + (int(device.item()) if device is not None else 0)
+    for key, record in list(_guard.items()):
+        stat = record.ref()
+        total = record.skips()
         if total:
-            if label is None:  # found once: the search walks every live object
-                label = entry[3] = _label(stat) if stat is not None else f"a deleted module ({key:#x})"
-            name = names.get(key) or label
+            if record.label is None:  # found once: the search walks every live object
+                record.label = _label(stat) if stat is not None else f"a deleted module ({key:#x})"
+            name = names.get(key) or record.label
             skips[name] = skips.get(name, 0) + total
     return {"handled": dict(counts.handled), "passed_through": counts.passed, "guard_skips": skips}
 
@@ -124,5 +162,5 @@ def reset() -> None:
     global _warned
     counts.passed = 0
     counts.handled.clear()
-    _skips.clear()
+    _guard.clear()
     _warned = False

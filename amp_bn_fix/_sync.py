@@ -4,7 +4,7 @@ With more than one rank (CUDA/XPU/HPU), ``nn.SyncBatchNorm`` calls
 ``torch.nn.modules._functions.SyncBatchNorm.apply`` instead of ``F.batch_norm``. Its wrapper gives
 a handled call FP32 input, weight, bias and running stats with autocast off, so the statistics
 gathered across ranks and the normalization are FP32; the output dtype follows the policy.
-Stateless like ``_policy``: the runtime (``_patch``) decides which calls are handled.
+Stateless like ``_compute``: the runtime (``_patch``) decides which calls are handled.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from . import _policy
+from . import _stats
 from ._compat import autocast_disabled, plain_eager
+from ._decide import BatchNormCall
+from ._stats import to_fp32
 
 
 class SyncCall(NamedTuple):
@@ -36,29 +38,27 @@ def bind(*args: Any, **kwargs: Any) -> SyncCall:
     return SyncCall(*args, **kwargs)
 
 
-def as_batch_norm_call(call: SyncCall) -> _policy.BatchNormCall:
+def as_batch_norm_call(call: SyncCall) -> BatchNormCall:
     """The same call as ``F.batch_norm`` arguments (the syncing path always trains)."""
-    return _policy.BatchNormCall(
+    return BatchNormCall(
         call.input, call.running_mean, call.running_var, call.weight, call.bias, True, call.momentum, call.eps
     )
 
 
-def fp32_sync_batch_norm(
-    original: Callable[..., torch.Tensor], call: SyncCall, out_dtype: torch.dtype, guard: bool,
-    on_check: Optional[_policy.GuardCheck] = None,
-) -> torch.Tensor:
+def fp32_sync_batch_norm(original: Callable[..., torch.Tensor], call: SyncCall, out_dtype: torch.dtype,
+                         guard: bool) -> torch.Tensor:
     """Run the syncing ``original`` on FP32 tensors; the result is cast to ``out_dtype``.
 
-    Running stats are handled as for ``F.batch_norm`` (:func:`_policy.with_working_stats`): the
-    guard skips the update when the global statistics are not finite.
+    Running stats are handled as for ``F.batch_norm`` (:func:`_stats.updating`): the guard skips
+    the update when the global statistics are not finite.
     """
 
     def compute(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
         with autocast_disabled(call.input.device.type):
             return original(
-                _policy.to_fp32(call.input),
-                _policy.to_fp32(call.weight),
-                _policy.to_fp32(call.bias),
+                to_fp32(call.input),
+                to_fp32(call.weight),
+                to_fp32(call.bias),
                 mean,
                 var,
                 call.eps,
@@ -68,5 +68,6 @@ def fp32_sync_batch_norm(
             )
 
     eager = plain_eager(call.input, call.weight, call.bias, call.running_mean, call.running_var)
-    out = _policy.with_working_stats(call.running_mean, call.running_var, True, guard, eager, compute, on_check)
+    # The device route: the syncing path runs on devices only (CUDA, XPU, HPU).
+    out = _stats.updating(call.running_mean, call.running_var, True, guard, eager, False, compute)
     return out if out.dtype is out_dtype else out.to(out_dtype)

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
+from _harness import compare, shim  # noqa: E402
+from _large_rows import SHAPES  # noqa: E402
+from _models import bn_step, half_input  # noqa: E402
 
 EPS = 1e-5
 
@@ -65,7 +67,7 @@ class FusedBatchNorm(torch.autograd.Function):
 def relative_errors(shape) -> dict:
     """Max error relative to the largest float64 value: output, input and weight gradients."""
     generator = torch.Generator().manual_seed(0)
-    x = bench.half_input(shape, torch.bfloat16, "cpu").detach()
+    x = half_input(shape, torch.bfloat16, "cpu").detach()
     grad = torch.randn(shape, generator=generator)
     weight, bias = torch.rand(shape[1], generator=generator) + 0.5, torch.randn(shape[1], generator=generator)
     leaves64 = [t.double().requires_grad_() for t in (x, weight, bias)]
@@ -84,9 +86,9 @@ def relative_errors(shape) -> dict:
 
 def main() -> int:
     torch.set_num_threads(1)
-    for shape in bench.SHAPES:
+    for shape in SHAPES:
         bn = nn.BatchNorm2d(shape[1])
-        x = bench.half_input(shape, torch.bfloat16, "cpu")
+        x = half_input(shape, torch.bfloat16, "cpu")
         grad = torch.randn(shape)
 
         def fused() -> None:
@@ -97,8 +99,8 @@ def main() -> int:
         fused()
         compiled_s = time.perf_counter() - start
         errors = relative_errors(shape)
-        bench.set_shim(False)
-        t = bench.compare(fused, bench.bn_step(bn, x, grad, "cpu", torch.bfloat16, by_hand=True), 15, 1, lambda: None)
+        with shim(False):
+            t = compare(fused, bn_step(bn, x, {torch.float32: grad}, "cpu", torch.bfloat16, by_hand=True), 15, 1)
         print(f"bf16 {shape} fwd+bwd: fused {t.a_us / 1000:.2f} ms, bn(x.float()) {t.b_us / 1000:.2f} ms, "
               f"ratio {t.ratio:.3f} [{t.ratio_q1:.3f}, {t.ratio_q3:.3f}]; first call (compiling) {compiled_s:.1f} s; "
               + ", ".join(f"{k} error {v:.1e}" for k, v in errors.items()), flush=True)

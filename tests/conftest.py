@@ -11,7 +11,7 @@ import pytest
 for _name in [n for n in os.environ if n.startswith("AMP_BN_FIX")]:
     del os.environ[_name]
 
-from _amp_bn_fix_boot import settings
+import amp_bn_fix  # noqa: E402
 from amp_bn_fix import _patch  # noqa: E402
 
 
@@ -20,19 +20,34 @@ def fast_paths_for_small_inputs(monkeypatch):
     """The FP32 training fast path starts at half a million values (more with more torch threads),
     which would keep the tests' small inputs off it: here it starts at any size (rows must still be
     long enough). ``test_fastpath`` checks the real thresholds."""
-    from amp_bn_fix import _kernels
+    from amp_bn_fix import _tuning
 
-    monkeypatch.setattr(_kernels, "_MIN_VALUES", 0)
-    monkeypatch.setattr(_kernels, "_MIN_PER_CHANNEL", 0)
+    monkeypatch.setattr(_tuning, "MIN_VALUES", 0)
+    monkeypatch.setattr(_tuning, "MIN_PER_CHANNEL", 0)
+
+
+@pytest.fixture(params=["host", "device"], ids=["host-route", "device-route"])
+def both_routes(request, monkeypatch):
+    """The test runs on the host route (CPU reads, fast paths) and on the route a CUDA call takes.
+
+    ``_tuning.emulate_device`` makes CPU calls take the device route: no host reads of tensor
+    values, no CPU fast paths. So the CUDA logic runs wherever the suite runs.
+    """
+    from amp_bn_fix import _tuning
+
+    monkeypatch.setattr(_tuning, "emulate_device", request.param == "device")
+    return request.param
 
 
 @pytest.fixture(autouse=True)
 def default_shim():
-    _patch.configure(settings.Config())
+    # The defaults with "default" as their source (amp_bn_fix.configure would record "API"),
+    # which the tests of get_config().sources and of amp-bn-fix check expect.
+    _patch.configure(amp_bn_fix.Config())
     _patch.install()
     yield
     _patch._set_scopes(())
-    _patch.configure(settings.Config())
+    _patch.configure(amp_bn_fix.Config())
     _patch.install()
 
 

@@ -1,7 +1,11 @@
-"""Casting a model to 16-bit keeps BatchNorm running stats FP32 (AMP_BN_FIX_KEEP_FP32)."""
+"""``AMP_BN_FIX_KEEP_FP32=all`` and ``stats``: casting a model to 16 bits keeps BatchNorm FP32 inside it.
+
+The default, ``master``, leaves the model as torch casts it (tests/test_half_models.py); these
+modes are for apex-O2-style training and FSDP units, and every test here runs with ``all`` unless
+it says otherwise.
+"""
 
 import io
-import os
 import subprocess
 import sys
 
@@ -12,9 +16,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import amp_bn_fix
 from _amp_bn_fix_boot import settings
+from _shared import SUBPROCESS_TIMEOUT, child_env
 from amp_bn_fix import _patch
 
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def keep_all():
+    amp_bn_fix.configure(keep_fp32="all")
 
 # Not representable in float16/bfloat16: a round trip through half would change them.
 MEAN = torch.tensor([1 / 3, -2 / 7, 1e-4 + 1 / 9, 1000.1])
@@ -66,7 +76,7 @@ def _model(kind: str = "BatchNorm1d") -> nn.Sequential:
 
 
 def _keep(mode: str) -> None:
-    _patch.configure(_patch.current_config().replace(keep_fp32=mode))
+    amp_bn_fix.configure(keep_fp32=mode)
 
 
 @pytest.mark.parametrize("kind", sorted(BN_FACTORIES))
@@ -221,29 +231,28 @@ def test_policy_off_casts_as_in_torch():
 
 
 def test_env_keep_stats_is_honoured_at_import():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
-    env["AMP_BN_FIX_KEEP_FP32"] = "stats"
     code = (
         "import torch, amp_bn_fix\n"
         "bn = torch.nn.BatchNorm1d(3).half()\n"
         "print(bn.weight.dtype, bn.running_mean.dtype)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(AMP_BN_FIX_KEEP_FP32="stats"), capture_output=True,
+                         text=True, check=True, timeout=SUBPROCESS_TIMEOUT)
     assert out.stdout.split() == ["torch.float16", "torch.float32"]
 
 
 @pytest.mark.parametrize("keep", ["all", "stats"])
 def test_cast_onto_a_device_type_left_out_is_torchs(keep):
     """The shim leaves calls on an excluded device type to torch, so their casts are torch's too."""
-    _patch.configure(_patch.current_config().replace(keep_fp32=keep, devices=frozenset({"cuda"})))
+    amp_bn_fix.configure(keep_fp32=keep, devices=["cuda"])
     bn = _model()[1].half()
     assert bn.running_mean.dtype == bn.weight.dtype == torch.float16
-    _patch.configure(_patch.current_config().replace(keep_fp32=keep, devices=frozenset({"cuda", "cpu"})))
+    amp_bn_fix.configure(keep_fp32=keep, devices=["cuda", "cpu"])
     assert _model()[1].half().running_mean.dtype == torch.float32
 
 
 def test_bad_keep_value_names_the_allowed_ones():
-    with pytest.raises(ValueError, match="AMP_BN_FIX_KEEP_FP32='half'.*stats, all, none"):
+    with pytest.raises(ValueError, match="AMP_BN_FIX_KEEP_FP32='half'.*master, all, stats, none"):
         settings.from_env({"AMP_BN_FIX_KEEP_FP32": "half"})
 
 

@@ -4,7 +4,8 @@ The matrix is generated: ``AMP_BN_FIX_POLICY`` x ``AMP_BN_FIX_DEVICES`` (all, cp
 ``AMP_BN_FIX_KEEP_FP32`` x ``AMP_BN_FIX_GUARD``, for FP32, float16 and bfloat16 models (cast while
 the shim is enabled), in training and eval, inside and outside autocast, run directly and along each
 path where the shim steps aside: a ``policy("off")`` block, ``disable()``, a pickle loaded without
-the shim and TorchScript (a device type left out is the devices axis). Each run either gets the fix
+the shim, and TorchScript outside autocast (under autocast the shim's kernel at autocast's dispatch
+key reaches it; a device type left out is the devices axis). Each run either gets the fix
 (the policy's output dtype, FP32 running stats, values at FP32 accuracy against float64) or gives
 what plain torch gives on a plain model of that dtype. The one documented exception is
 ``AMP_BN_FIX_KEEP_FP32=stats``: its 16-bit weights next to FP32 stats are a state torch's kernels
@@ -21,13 +22,18 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_bn_fix
-from amp_bn_fix import _patch
-from _amp_bn_fix_boot.settings import DEVICE_TYPES, KEEP_MODES, POLICIES, Config
+from _amp_bn_fix_boot.settings import DEVICE_TYPES, KEEP_MODES, POLICIES
+from _bounds import assert_near, assert_within, rounding_bound
+from _shared import ORIGINAL
+from amp_bn_fix import Config, _master, _patch
 
 # TorchScript says it is deprecated; these tests script on purpose.
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.* is deprecated:DeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit.* is deprecated:DeprecationWarning"),
+    # Every case on the CPU's route and on the route a CUDA call takes (see conftest).
+    pytest.mark.usefixtures("both_routes"),
+]
 
-ORIGINAL = F.batch_norm.__wrapped__
 BF16 = torch.bfloat16
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEVICES = {"all": None, "cpu": frozenset({"cpu"}), "cuda": frozenset({"cuda"})}
@@ -45,16 +51,6 @@ CHANNELS = len(MEAN)
 
 def _id(config: Config) -> str:
     return "-".join(config.describe(name) for name in ("policy", "devices", "keep_fp32", "guard"))
-
-
-def _eps(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).eps
-
-
-def _gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
-    """Higham's bound on the relative error of a sum of ``n`` terms in ``dtype``: n*u / (1 - n*u)."""
-    u = _eps(dtype) / 2
-    return n * u / (1 - n * u)
 
 
 def model(dtype: torch.dtype, training: bool) -> nn.Sequential:
@@ -93,9 +89,10 @@ def run(net: nn.Module, dtype: torch.dtype, training: bool, autocast: bool) -> R
     seen: List[torch.Tensor] = []
 
     def capture(module, args):
-        seen[:] = [args[0].detach().clone()] + [
-            t.detach().clone() for t in (module.running_mean, module.running_var, module.weight, module.bias)
-        ]
+        # The stats the shim computes with: a 16-bit model's FP32 master where it keeps one.
+        master = _master.peek(module.running_mean, module.running_var)
+        stats = (module.running_mean, module.running_var) if master is None else tuple(master)
+        seen[:] = [args[0].detach().clone()] + [t.detach().clone() for t in (*stats, module.weight, module.bias)]
 
     handle = bn.register_forward_pre_hook(capture) if not isinstance(net, torch.jit.ScriptModule) else None
     try:
@@ -123,35 +120,36 @@ def plain(dtype: torch.dtype, training: bool, autocast: bool, scripted: bool) ->
 
 
 def cast_kept_stats(config: Config, dtype: torch.dtype) -> bool:
-    """Whether the shim's cast left FP32 running stats in this ``dtype`` model."""
-    return dtype is not torch.float32 and config.keep_fp32 != "none" and config.policy != "off" and (
+    """Whether the shim's cast left FP32 running stats in this ``dtype`` model (``master`` keeps them beside it)."""
+    return dtype is not torch.float32 and config.keep_fp32 in ("all", "stats") and config.policy != "off" and (
         config.devices is None or "cpu" in config.devices
     )
 
 
 def fix_applies(config: Config, path: str, autocast: bool) -> bool:
-    """Whether the shim handles the call: its policy in force, CPU selected, under autocast."""
-    return path == "direct" and autocast and config.policy != "off" and (config.devices is None or "cpu" in config.devices)
+    """Whether the shim handles the call: its policy in force, CPU selected, under autocast.
+
+    TorchScript calls ATen's batch_norm, which the shim's kernel at autocast's key handles.
+    """
+    return (path in ("direct", "torchscript") and autocast and config.policy != "off"
+            and (config.devices is None or "cpu" in config.devices))
 
 
 def assert_fixed(result: Run, config: Config, dtype: torch.dtype, training: bool) -> None:
     """The policy's output dtype and FP32 statistics, against float64 on the very same input."""
     expected_dtype = torch.float32 if config.policy == "fp32" else autocast_dtype(dtype)
     assert result.out.dtype is expected_dtype
+    assert result.seen[0].dtype in (torch.float16, BF16)  # autocast gave BatchNorm a 16-bit input
     x, mean, var, weight, bias = (t.double() for t in result.seen)
-    assert x.dtype is not torch.float32  # autocast gave BatchNorm a 16-bit input
     mean64, var64 = mean.clone(), var.clone()
     ref = ORIGINAL(x, mean64, var64, weight, bias, training, 0.1, 1e-5)
     n = x.numel() // CHANNELS
     # FP32 statistics of n values and an FP32 normalization, then one rounding to the output dtype.
-    scale = ref.abs().max().item() + 1
-    bound = (_gamma(n) * 8 + 4 * _eps(torch.float32)) * scale + _eps(expected_dtype) * scale
-    assert (result.out.double() - ref).abs().max().item() <= bound
-    stats_dtype = torch.float32 if config.keep_fp32 != "none" or dtype is torch.float32 else dtype
+    assert_near(result.out, ref, n, what="output")
+    stats_dtype = torch.float32 if config.keep_fp32 in ("all", "stats") or dtype is torch.float32 else dtype
     assert result.mean.dtype is result.var.dtype is stats_dtype
-    stat_bound = (_gamma(n) * 8 + 4 * _eps(torch.float32)) * (var64.abs().max().item() + 1) + _eps(stats_dtype) * 2
-    assert (result.mean.double() - mean64).abs().max().item() <= stat_bound
-    assert (result.var.double() - var64).abs().max().item() <= stat_bound
+    assert_near(result.mean, mean64, n, what="running mean")
+    assert_near(result.var, var64, n, what="running var")
 
 
 def assert_plain(result: Run, expected: Run) -> None:
@@ -164,16 +162,16 @@ def assert_plain(result: Run, expected: Run) -> None:
     assert result.out.dtype is expected.out.dtype
     dtype = expected.out.dtype
     n = expected.out.numel() // CHANNELS
-    scale = expected.out.abs().max().item() + 1
-    bound = (8 * _eps(dtype) + 8 * _gamma(n, torch.float32)) * scale
-    if dtype is not torch.float32:
-        bound += 8 * _eps(torch.float16 if dtype is torch.float16 else BF16) * scale
-    else:
-        bound += 8 * _eps(BF16) * scale  # an FP32 output computed from 16-bit stats on plain torch's side
-    assert (result.out.double() - expected.out.double()).abs().max().item() <= bound
-    stats_bound = 4 * _eps(expected.mean.dtype) * (expected.var.abs().max().item() + 1)
+    # 16 roundings of the output dtype and of the 16-bit stats (bfloat16 ones for an FP32 output
+    # computed from 16-bit stats on plain torch's side), 8 FP32 sums.
+    roundings = {dtype: 16}
+    stats16 = dtype if dtype is not torch.float32 else BF16
+    roundings[stats16] = roundings.get(stats16, 0) + 16
+    bound = rounding_bound(expected.out.abs().max().item() + 1, roundings, n, sums=8)
+    assert_within(result.out, expected.out, bound, what="output")
+    stats_bound = rounding_bound(expected.var.abs().max().item() + 1, {expected.mean.dtype: 8}) + rounding_bound(1, n=n, sums=8)
     for ours, theirs in ((result.mean, expected.mean), (result.var, expected.var)):
-        assert (ours.double() - theirs.double()).abs().max().item() <= stats_bound + 8 * _gamma(n)
+        assert_within(ours, theirs, stats_bound, what="running stat")
 
 
 def run_path(path: str, config: Config, dtype: torch.dtype, training: bool, autocast: bool) -> Run:
@@ -197,18 +195,25 @@ def run_path(path: str, config: Config, dtype: torch.dtype, training: bool, auto
 
 @pytest.mark.parametrize("config", SETTINGS, ids=_id)
 def test_every_setting_gives_the_fix_or_plain_torch(config):
-    _patch.configure(config)
+    amp_bn_fix.configure(policy=config.policy, devices=config.devices, keep_fp32=config.keep_fp32, guard=config.guard)
     for dtype, training, autocast, path in itertools.product(MODEL_DTYPES, (True, False), (True, False), PATHS):
         case = f"{dtype} {'train' if training else 'eval'} autocast={autocast} {path}"
         expected = plain(dtype, training, autocast, scripted=path == "torchscript")
-        if cast_kept_stats(config, dtype) and config.keep_fp32 == "stats" and path in ("disable", "pickle", "torchscript"):
+        out_of_reach = path in ("disable", "pickle") or (path == "torchscript" and not fix_applies(config, path, autocast))
+        if cast_kept_stats(config, dtype) and config.keep_fp32 == "stats" and out_of_reach:
             # Documented: only the shim runs a model whose running stats alone stayed FP32.
             with pytest.raises(RuntimeError, match="expected scalar type|expected .* to have type"):
                 run_path(path, config, dtype, training, autocast)
             continue
         result = run_path(path, config, dtype, training, autocast)
         try:
-            if fix_applies(config, path, autocast):
+            if fix_applies(config, path, autocast) and path == "torchscript":
+                # The same computation as the direct call (whose arguments the check above sees).
+                direct = run_path("direct", config, dtype, training, autocast)
+                assert result.out.dtype is direct.out.dtype and result.mean.dtype is direct.mean.dtype
+                torch.testing.assert_close(result.out, direct.out, rtol=0, atol=0)
+                torch.testing.assert_close((result.mean, result.var), (direct.mean, direct.var), rtol=0, atol=0)
+            elif fix_applies(config, path, autocast):
                 assert_fixed(result, config, dtype, training)
             else:
                 assert_plain(result, expected)

@@ -13,7 +13,8 @@ import wrapt
 
 import amp_bn_fix
 from _amp_bn_fix_boot import cli as launcher
-from amp_bn_fix import _check, _patch, _policy
+from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env
+from amp_bn_fix import _check, _decide, _patch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -48,13 +49,13 @@ def test_check_reports_where_each_setting_came_from(capsys):
     assert field(out, "policy") == ["input", "API"]
     result = subprocess.run(
         [sys.executable, "-m", "amp_bn_fix", "check"],
-        env={**os.environ, "AMP_BN_FIX_POLICY": "autocast", "AMP_BN_FIX_DEVICES": "cpu"},
-        capture_output=True, text=True, timeout=120,
+        env=child_env(AMP_BN_FIX_POLICY="autocast", AMP_BN_FIX_DEVICES="cpu"),
+        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
     )
     assert result.returncode == 0, result.stderr
     assert field(result.stdout, "policy") == ["autocast", "env"]
     assert field(result.stdout, "devices") == ["cpu", "env"]
-    assert field(result.stdout, "keep_fp32") == ["all", "default"]
+    assert field(result.stdout, "keep_fp32") == ["master", "default"]
 
 
 @pytest.mark.slow
@@ -65,7 +66,7 @@ def test_check_reports_the_start_up_hook(capsys):
     assert field(out, "AMP_BN_FIX") == ["unset", "(off)"]
     result = subprocess.run(
         [sys.executable, "-m", "amp_bn_fix", "check"],
-        env={**os.environ, "AMP_BN_FIX": "1"}, capture_output=True, text=True, timeout=120,
+        env=child_env(AMP_BN_FIX="1"), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
     )
     assert field(result.stdout, "AMP_BN_FIX") == ["'1'", "(on)"]
     assert result.returncode == 0, result.stdout
@@ -73,17 +74,16 @@ def test_check_reports_the_start_up_hook(capsys):
 
 
 def test_the_self_test_passes_on_each_device_and_leaves_the_patch_as_it_was(capsys):
-    original = F.batch_norm.__wrapped__
     amp_bn_fix.disable()
     code, out = check(capsys)
     assert code == 0
     rows = [line.split()[:3] for line in out.splitlines() if line.strip().startswith("cpu ")]
     assert rows == [["cpu", "float16", "ok"], ["cpu", "bfloat16", "ok"]]
-    assert F.batch_norm is original
+    assert F.batch_norm is ORIGINAL
 
 
 def test_the_self_test_fails_and_check_exits_non_zero_when_the_shim_does_nothing(capsys, monkeypatch):
-    monkeypatch.setattr(_policy, "output_dtype", lambda policy, call: None)  # every call runs natively
+    monkeypatch.setattr(_decide, "plan", lambda *args: None)  # every call runs natively
     code, out = check(capsys)
     assert code == 1
     assert "FAIL" in out and "BatchNorm1d output is float16, expected float32" in out
@@ -95,26 +95,25 @@ def test_the_self_test_output_matches_float64(dtype):
     assert result.ok, result.detail
     hidden, weight, bias, mean, var, out, new_mean, new_var = (t.double() for t in result.tensors)
     mean64, var64 = mean.clone(), var.clone()
-    expected = F.batch_norm.__wrapped__(hidden, mean64, var64, weight, bias, True, 0.1, 1e-5)
+    expected = ORIGINAL(hidden, mean64, var64, weight, bias, True, 0.1, 1e-5)
     assert result.tensors[5].dtype is torch.float32
     torch.testing.assert_close(out, expected, rtol=0, atol=64 * torch.finfo(torch.float32).eps * (expected.abs().max().item() + 1))
     torch.testing.assert_close(new_var, var64, rtol=0, atol=64 * torch.finfo(torch.float32).eps * (var64.abs().max().item() + 1))
 
 
-@pytest.mark.parametrize("devices, expected", [("cuda", "passed through: cpu is not in AMP_BN_FIX_DEVICES=cuda"),
+@pytest.mark.parametrize("devices, expected", [("cuda", "passed through: cpu is not among the devices (cuda)"),
                                                ("cpu", "policy fp32")])
 def test_the_self_test_follows_the_configured_devices(devices, expected):
-    _patch.configure(_patch.current_config().replace(devices=frozenset({devices})))
+    amp_bn_fix.configure(devices=[devices])
     result = _check.self_test("cpu", torch.bfloat16)
     assert result.ok and expected in result.detail, result.detail
     assert result.tensors[5].dtype is (torch.bfloat16 if devices == "cuda" else torch.float32)
 
 
 def run_check(env, cwd=None):
-    full = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
     script = os.path.join(os.path.dirname(sys.executable), "amp-bn-fix")
-    return subprocess.run([script, "check"], env={**full, **env}, cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([script, "check"], env=child_env(**env), cwd=cwd,
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
 
 
 @pytest.mark.slow
@@ -142,7 +141,38 @@ def test_check_fails_where_the_hook_is_not_in_a_site_directory(tmp_path, monkeyp
 def test_check_with_a_bad_setting_is_a_clean_error():
     result = subprocess.run(
         [sys.executable, "-c", "import sys; from _amp_bn_fix_boot import cli as launcher; sys.exit(launcher.main(['check']))"],
-        env={**os.environ, "AMP_BN_FIX_POLICY": "bogus"}, capture_output=True, text=True, timeout=60,
+        env=child_env(AMP_BN_FIX_POLICY="bogus"), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
     )
     assert result.returncode == 2
     assert "AMP_BN_FIX_POLICY='bogus' is not valid" in result.stderr and "Traceback" not in result.stderr
+
+
+# Every spelling of the command that docs/ gives: the console script, and python -m with the package
+# (whose import, run as the command, leaves the bad setting to it).
+SPELLINGS = {
+    "amp-bn-fix check": [os.path.join(os.path.dirname(sys.executable), "amp-bn-fix"), "check"],
+    "python -m amp_bn_fix check": [sys.executable, "-m", "amp_bn_fix", "check"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+def test_check_names_every_bad_setting_without_a_traceback(spelling):
+    env = child_env(AMP_BN_FIX="1", AMP_BN_FIX_POLICY="fp33", AMP_BN_FIX_GUARD="maybe")
+    result = subprocess.run(SPELLINGS[spelling], env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "amp-bn-fix: error: AMP_BN_FIX_POLICY='fp33' is not valid; allowed values: fp32, input, autocast, off"
+        " (from the environment)",
+        "amp-bn-fix: error: AMP_BN_FIX_GUARD='maybe' is not valid; allowed values: 1/true/yes/on or 0/false/no/off"
+        " (from the environment)",
+    ]
+    assert result.stdout == ""
+
+
+def test_the_docs_give_no_other_spelling_of_check():
+    # A spelling the docs add must be added to SPELLINGS above, and tested.
+    texts = [(ROOT / "README.md").read_text(), *(page.read_text() for page in (ROOT / "docs").glob("*.md"))]
+    found = {re.sub(r"^\S*python\S*", "python", match) for text in texts
+             for match in re.findall(r"(?:\S*python\S* -m \w+|amp-bn-fix) check", text)}
+    assert found <= {"python -m amp_bn_fix check", "amp-bn-fix check"}, found

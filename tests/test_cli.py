@@ -10,10 +10,9 @@ import torch.nn.functional as F
 
 import amp_bn_fix
 from _amp_bn_fix_boot import cli as launcher
-from _amp_bn_fix_boot import settings
+from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env
 
 CONSOLE_SCRIPT = shutil.which("amp-bn-fix", path=os.path.dirname(sys.executable))
-CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
 
 
 def demo_rows(text):
@@ -26,7 +25,7 @@ def command(*args, env=None, module=False, flags=()):
     assert CONSOLE_SCRIPT, "the amp-bn-fix console script is not installed next to this interpreter"
     start = [sys.executable, *flags, "-m", "amp_bn_fix"] if module else [sys.executable, *flags, CONSOLE_SCRIPT]
     return subprocess.run(
-        [*start, *args], env={**CLEAN_ENV, **(env or {})}, capture_output=True, text=True, timeout=120
+        [*start, *args], env=child_env(**(env or {})), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT
     )
 
 
@@ -63,21 +62,20 @@ def test_demo_with_another_policy_says_why_both_columns_match(capsys, policy, bn
 
 
 def test_demo_fails_when_the_shim_does_not_give_the_expected_dtype(capsys, monkeypatch):
-    from amp_bn_fix import _policy
+    from amp_bn_fix import _decide
 
-    monkeypatch.setattr(_policy, "output_dtype", lambda policy, call: None)  # every call runs natively
+    monkeypatch.setattr(_decide, "plan", lambda *args: None)  # every call runs natively
     assert launcher.main(["demo"]) == 1
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("MISMATCH")
 
 
 def test_demo_leaves_the_patch_as_it_found_it():
-    original = F.batch_norm.__wrapped__
     amp_bn_fix.disable()
     launcher.main(["demo"])
-    assert F.batch_norm is original
+    assert F.batch_norm is ORIGINAL
     amp_bn_fix.enable()
     launcher.main(["demo"])
-    assert F.batch_norm.__wrapped__ is original
+    assert F.batch_norm.__wrapped__ is ORIGINAL  # one wrapper, ours, as before
 
 
 @pytest.mark.slow
@@ -98,7 +96,8 @@ def test_help_and_argument_errors_import_neither_torch_nor_amp_bn_fix(args):
         "except SystemExit as exc:\n"
         "    print(exc.code, 'torch' in sys.modules, 'amp_bn_fix' in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], env=CLEAN_ENV, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
     expected_code = "0" if "--help" in args else "2"
     assert result.stdout.split()[-3:] == [expected_code, "False", "False"], result.stdout + result.stderr
 
@@ -110,11 +109,12 @@ def test_the_console_script_help_does_not_import_torch():
     assert not imported_torch(result.stderr)
 
 
+@pytest.mark.parametrize("via", ["amp-bn-fix", pytest.param("python -m amp_bn_fix", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("enable", [None, "1"], ids=["hook off", "hook on"])
 @pytest.mark.parametrize("subcommand", ["demo", "check"])
-def test_a_bad_setting_is_one_line_and_exit_2(enable, subcommand):
+def test_a_bad_setting_is_one_line_and_exit_2(enable, subcommand, via):
     env = {"AMP_BN_FIX_POLICY": "fp33", **({"AMP_BN_FIX": enable} if enable else {})}
-    result = command(subcommand, env=env)
+    result = command(subcommand, env=env, module=via.startswith("python"))
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()
     assert line == (
@@ -125,11 +125,28 @@ def test_a_bad_setting_is_one_line_and_exit_2(enable, subcommand):
 
 
 @pytest.mark.slow
-def test_python_dash_m_with_a_bad_setting_fails_as_the_import_does():
-    # python -m amp_bn_fix imports the package first, and the import reads the settings.
-    result = command("demo", env={"AMP_BN_FIX_POLICY": "fp33"}, module=True)
-    assert result.returncode != 0 and result.stdout == ""
-    assert "ValueError: AMP_BN_FIX_POLICY='fp33' is not valid" in result.stderr
+def test_python_dash_m_with_a_bad_setting_runs_the_commands_that_need_no_settings():
+    # python -m amp_bn_fix imports the package first: its import leaves the bad setting to the command.
+    result = command("--version", env={"AMP_BN_FIX_POLICY": "fp33"}, module=True)
+    assert (result.returncode, result.stdout.split()[0], result.stderr) == (0, "amp-bn-fix", "")
+    run = command("run", "--", sys.executable, "-c", "pass", env={"AMP_BN_FIX_POLICY": "fp33"}, module=True)
+    assert run.returncode == 2 and "AMP_BN_FIX_POLICY='fp33' is not valid" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["-c", "-m"])
+def test_anywhere_else_the_import_raises_the_bad_setting(tmp_path, start):
+    # Only python -m amp_bn_fix leaves a bad setting to the command: a program that imports the
+    # package gets the ValueError, run as a script or with python -m (runpy on the stack, but for it).
+    (tmp_path / "train.py").write_text("import amp_bn_fix\n")
+    args = ["-c", "import train"] if start == "-c" else ["-m", "train"]
+    result = subprocess.run([sys.executable, *args], env=child_env(AMP_BN_FIX_POLICY="fp33"), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 1 and "Traceback" in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "ValueError: AMP_BN_FIX_POLICY='fp33' is not valid; allowed values: fp32, input, autocast, off"
+    )
 
 
 def test_a_bad_setting_costs_the_console_script_no_torch_import():

@@ -16,7 +16,6 @@ import copy
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_bn_fix
+from _shared import SUBPROCESS_TIMEOUT, child_env
 from bn_probe import BatchNormAct2d, Watch, bn_modules, mobilenet, resnet
 
 CLIENT_WORKER = pathlib.Path(__file__).resolve().parent / "client_worker.py"
@@ -49,31 +49,29 @@ def skip_unless_installed(*names: str) -> None:
         pytest.skip(f"{' or '.join(names)} not installed (pip install -e '.[clients]')")
 
 
-def run_client(client: str, policy: str, tmp_path: pathlib.Path) -> dict:
+def run_client(client: str, policy: str, tmp_path: pathlib.Path, stats: str = "torch.float32") -> dict:
     out = tmp_path / f"{client}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
-    env.update(AMP_BN_FIX="1", AMP_BN_FIX_POLICY=policy, OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, str(CLIENT_WORKER), client, str(out)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=child_env(AMP_BN_FIX="1", AMP_BN_FIX_POLICY=policy, OMP_NUM_THREADS="1"),
+        cwd=tmp_path, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
     )
     assert done.returncode == 0, done.stderr[-6000:]
     report = json.loads(out.read_text())
     # The environment alone enabled the shim in the client's process, with the policy asked for.
     assert report["shim"] == {"loaded": True, "enabled": True, "policy": policy}
     assert report["losses_finite"] is True and len(report["losses"]) == 3
-    assert report["stats_dtypes"] == ["torch.float32"] and report["stats_finite"] is True
+    assert report["stats_dtypes"] == [stats] and report["stats_finite"] is True
     assert report["stats_moved"] is True
     assert len(report["calls"]) == 6 * 3  # six BatchNorms, three steps
     return report
 
 
-def assert_calls(report: dict, autocast: bool, weight: str, out: str, input: str = "torch.bfloat16") -> None:
+def assert_calls(report: dict, autocast: bool, weight: str, out: str, input: str = "torch.bfloat16",
+                 stats: str = "torch.float32") -> None:
     for call in report["calls"]:
         assert call["training"] is True and call["autocast"] is autocast, call
-        assert (call["input"], call["weight"], call["stats"], call["out"]) == (
-            input, weight, "torch.float32", out
-        ), call
+        assert (call["input"], call["weight"], call["stats"], call["out"]) == (input, weight, stats, out), call
         assert call["out_err"] < out_tolerance(out), call
         # FP32 running-stat updates (bfloat16 stats, as torch keeps them in a bfloat16 model, are ~5e-3 off).
         assert call["stats_err"] < 1e-5, call
@@ -95,15 +93,15 @@ def test_lightning_bf16_mixed(policy, tmp_path):
 def test_lightning_true_half_precision(policy, precision, dtype, tmp_path):
     """Trainer(precision="bf16-true" / "16-true"): the model is cast to 16 bits, no autocast.
 
-    Lightning casts with ``module.to(dtype)``; the shim keeps BatchNorm's weight, bias and running
-    stats FP32 (torch alone makes them 16-bit). BatchNorm then gets a 16-bit input next to FP32
-    parameters and stats outside autocast: computed in FP32, returned in the input's dtype
-    whatever the policy.
+    Lightning casts with ``module.to(dtype)`` while the shim is enabled: the model is all 16-bit, as
+    torch makes it, and the shim keeps the running stats' FP32 master. BatchNorm's calls outside
+    autocast are computed in FP32 against the master (``stats_err`` measures the master) and
+    returned in the input's dtype whatever the policy.
     """
     skip_unless_installed("lightning", "pytorch_lightning")
-    report = run_client(f"lightning-{precision}", policy, tmp_path)
-    assert report["precision"] == precision and report["param_dtypes"] == sorted([dtype, "torch.float32"])
-    assert_calls(report, autocast=False, weight="torch.float32", out=dtype, input=dtype)
+    report = run_client(f"lightning-{precision}", policy, tmp_path, stats=dtype)
+    assert report["precision"] == precision and report["param_dtypes"] == [dtype]
+    assert_calls(report, autocast=False, weight=dtype, out=dtype, input=dtype, stats=dtype)
 
 
 @pytest.mark.slow

@@ -1,16 +1,20 @@
-"""Environment parsing and validation (no torch needed by the module under test)."""
+"""The settings: the table, the environment's parsing and validation (torch-free), and the Python API."""
 
+import inspect
 import subprocess
 import sys
+import typing
 
 import pytest
 
-from _amp_bn_fix_boot import settings
+import amp_bn_fix
+from _amp_bn_fix_boot import cli, settings
+from _shared import SUBPROCESS_TIMEOUT, child_env
 
 
 def test_defaults():
     config = settings.from_env({})
-    assert (config.policy, config.devices, config.keep_fp32, config.guard) == ("fp32", None, "all", True)
+    assert (config.policy, config.devices, config.keep_fp32, config.guard) == ("fp32", None, "master", True)
     assert set(config.sources.values()) == {"default"}
 
 
@@ -42,7 +46,7 @@ def test_all_devices_and_empty_values_mean_default():
         ("AMP_BN_FIX_DEVICES", "gpu", "'all' or a comma list of: cpu, cuda"),
         ("AMP_BN_FIX_DEVICES", "cuda,,cpu", "'all' or a comma list"),
         ("AMP_BN_FIX_DEVICES", "all,cpu", "'all' or a comma list"),
-        ("AMP_BN_FIX_KEEP_FP32", "weights", "stats, all, none"),
+        ("AMP_BN_FIX_KEEP_FP32", "weights", "master, all, stats, none"),
         ("AMP_BN_FIX_GUARD", "maybe", "1/true/yes/on or 0/false/no/off"),
     ],
 )
@@ -67,11 +71,8 @@ def test_hook_switch():
 
 
 def run_python(code, **env):
-    import os
-
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
-    environ.update(env)
-    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], env=child_env(**env), capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT)
 
 
 def test_the_torch_free_layer_imports_neither_torch_nor_amp_bn_fix():
@@ -118,3 +119,147 @@ def test_config_is_immutable_and_hashable():
         config.sources["policy"] = "API"  # type: ignore[index]
     assert config.sources["policy"] == "env"
     assert hash(config) == hash(settings.Config(policy="input")) and config == settings.Config(policy="input")
+
+
+# ------------------------------------------------------------------------------ the settings table
+
+def test_every_variable_and_config_field_comes_from_the_table():
+    assert settings.ENV_NAMES == ("AMP_BN_FIX", "AMP_BN_FIX_POLICY", "AMP_BN_FIX_DEVICES", "AMP_BN_FIX_KEEP_FP32",
+                                  "AMP_BN_FIX_GUARD", "AMP_BN_FIX_REPORT")
+    assert [s.name for s in settings.SETTINGS if s.scope == "config"] == ["policy", "devices", "keep_fp32", "guard"]
+    assert list(settings.Config().sources) == list(settings.CONFIG_NAMES)
+    assert settings.POLICIES == typing.get_args(amp_bn_fix.PolicyName) == ("fp32", "input", "autocast", "off")
+
+
+def test_run_takes_one_option_per_setting_but_the_switch():
+    run = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["run"]
+    options = [o for action in run._actions for o in action.option_strings if o.startswith("--")]
+    assert options == ["--help", "--policy", "--devices", "--keep-fp32", "--guard", "--report"]
+
+
+def test_problems_lists_every_bad_setting_where_from_env_raises_the_first():
+    environ = {"AMP_BN_FIX_POLICY": "fp33", "AMP_BN_FIX_DEVICES": "cpu", "AMP_BN_FIX_GUARD": "maybe",
+               "AMP_BN_FIX_REPORT": "often", "AMP_BN_FIX": "2"}  # the hook's switch is the hook's to report
+    assert settings.problems(environ) == [
+        "AMP_BN_FIX_POLICY='fp33' is not valid; allowed values: fp32, input, autocast, off",
+        "AMP_BN_FIX_GUARD='maybe' is not valid; allowed values: 1/true/yes/on or 0/false/no/off",
+        "AMP_BN_FIX_REPORT='often' is not valid; allowed values: 1/true/yes/on or 0/false/no/off",
+    ]
+    with pytest.raises(ValueError, match="AMP_BN_FIX_POLICY='fp33'"):
+        settings.from_env(environ)
+    assert settings.problems({"AMP_BN_FIX_POLICY": "input", "AMP_BN_FIX_GUARD": ""}) == []
+
+
+def test_describe_refuses_a_name_that_is_not_a_setting():
+    with pytest.raises(ValueError, match="'sources' is not a setting; the settings are policy, devices, keep_fp32, guard"):
+        settings.Config().describe("sources")
+
+
+# ---------------------------------------------------------------------------- the public namespace
+
+def test_the_namespace_holds_the_public_api_and_private_names_only():
+    public = {name for name in dir(amp_bn_fix) if not name.startswith("_")}
+    assert public == set(amp_bn_fix.__all__) - {"__version__"}
+    assert "configure" in public and "PolicyName" in public
+
+
+def test_config_reads_as_public():
+    assert amp_bn_fix.Config.__module__ == "amp_bn_fix" and repr(amp_bn_fix.Config) == "<class 'amp_bn_fix.Config'>"
+    assert amp_bn_fix.Config.describe.__module__ == "amp_bn_fix"
+    # Its annotations resolve although amp_bn_fix's namespace holds none of the typing names.
+    assert typing.get_type_hints(amp_bn_fix.Config)["policy"] == amp_bn_fix.PolicyName
+
+
+def test_the_api_takes_the_policy_names_as_a_literal_type():
+    policy_name = typing.Literal["fp32", "input", "autocast", "off"]
+    assert typing.get_type_hints(amp_bn_fix.set_policy)["name"] == policy_name
+    assert typing.get_type_hints(amp_bn_fix.policy)["name"] == policy_name
+    assert typing.get_type_hints(amp_bn_fix.enable)["policy"] == typing.Optional[policy_name]
+    assert typing.get_type_hints(amp_bn_fix.get_policy)["return"] == policy_name
+    hints = typing.get_type_hints(amp_bn_fix.configure)
+    assert hints["policy"] == policy_name and hints["keep_fp32"] == typing.Literal["master", "all", "stats", "none"]
+
+
+# ----------------------------------------------------------------------------------- configure()
+
+def test_configure_takes_each_setting_of_the_table_by_keyword_only():
+    parameters = inspect.signature(amp_bn_fix.configure).parameters
+    assert list(parameters) == list(settings.CONFIG_NAMES)
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters.values())
+    with pytest.raises(TypeError):
+        amp_bn_fix.configure("input")  # type: ignore[misc]
+
+
+def test_configure_changes_what_it_is_given_records_api_and_returns_what_was_before():
+    previous = amp_bn_fix.configure(guard=False, keep_fp32="STATS")
+    assert previous == {"policy": "fp32", "devices": None, "keep_fp32": "master", "guard": True}
+    config = amp_bn_fix.get_config()
+    assert (config.policy, config.devices, config.keep_fp32, config.guard) == ("fp32", None, "stats", False)
+    assert dict(config.sources) == {"policy": "default", "devices": "default", "keep_fp32": "API", "guard": "API"}
+    assert amp_bn_fix.configure() == {"policy": "fp32", "devices": None, "keep_fp32": "stats", "guard": False}
+    amp_bn_fix.configure(**previous)
+    assert amp_bn_fix.get_config() == settings.Config()
+
+
+@pytest.mark.parametrize("devices, expected", [
+    (None, None), ("all", None), ("cuda, CPU", {"cuda", "cpu"}), (["cuda"], {"cuda"}), (("cpu", "xpu"), {"cpu", "xpu"}),
+    ({"mps"}, {"mps"}), (frozenset({"cuda"}), {"cuda"}), ((name for name in ["cuda", "cpu"]), {"cuda", "cpu"}),
+])
+def test_configure_takes_the_devices_as_the_variable_does_or_as_names(devices, expected):
+    amp_bn_fix.configure(devices=devices)
+    got = amp_bn_fix.get_config().devices
+    assert got == (None if expected is None else frozenset(expected))
+    assert amp_bn_fix.get_config().sources["devices"] == "API"
+
+
+@pytest.mark.parametrize("value, expected", [(False, False), (True, True), (0, False), (1, True), ("off", False),
+                                             (" Yes ", True)])
+def test_configure_takes_the_guard_as_a_bool_or_as_the_variable_spells_it(value, expected):
+    amp_bn_fix.configure(guard=not expected)
+    amp_bn_fix.configure(guard=value)
+    assert amp_bn_fix.get_config().guard is expected
+
+
+@pytest.mark.parametrize("argument, value, allowed", [
+    ("policy", "fp16", "fp32, input, autocast, off"),
+    ("policy", None, "fp32, input, autocast, off"),
+    ("devices", "gpu", "'all' or a comma list of: cpu, cuda"),
+    ("devices", ["cuda", 0], "'all' or a comma list of: cpu, cuda"),
+    ("devices", [], "'all' or a comma list of: cpu, cuda"),
+    ("keep_fp32", "weights", "master, all, stats, none"),
+    ("guard", "maybe", "1/true/yes/on or 0/false/no/off"),
+    ("guard", 2, "1/true/yes/on or 0/false/no/off"),
+])
+def test_configure_rejects_what_the_variable_rejects_with_the_same_message_and_changes_nothing(argument, value, allowed):
+    before = amp_bn_fix.get_config()
+    with pytest.raises(ValueError) as error:
+        amp_bn_fix.configure(**{"guard": False, argument: value})
+    assert str(error.value) == f"{argument}={value!r} is not valid; allowed values: " + settings.BY_NAME[argument].allowed
+    assert allowed in str(error.value)
+    after = amp_bn_fix.get_config()
+    assert after == before and after.sources == before.sources  # nor the good value beside it
+
+
+def test_configure_in_a_with_block_restores_every_setting_and_its_source_even_on_an_error():
+    amp_bn_fix.configure(keep_fp32="stats")
+    before = amp_bn_fix.get_config()
+    with pytest.raises(RuntimeError):
+        with amp_bn_fix.configure(policy="input", guard=False) as previous:
+            assert previous["policy"] == "fp32" and amp_bn_fix.get_policy() == "input"
+            amp_bn_fix.set_policy("autocast")
+            amp_bn_fix.configure(devices="cuda")
+            raise RuntimeError("in the block")
+    after = amp_bn_fix.get_config()
+    assert after == before and dict(after.sources) == dict(before.sources) == {
+        "policy": "default", "devices": "default", "keep_fp32": "API", "guard": "default"}
+
+
+def test_configure_does_not_enable_the_shim_and_set_policy_goes_through_it():
+    amp_bn_fix.disable()
+    amp_bn_fix.configure(policy="input")
+    assert not amp_bn_fix.is_enabled()
+    amp_bn_fix.enable("autocast")
+    assert amp_bn_fix.is_enabled() and amp_bn_fix.get_config().policy == "autocast"
+    with pytest.raises(ValueError, match="^policy='fast' is not valid; allowed values: fp32, input, autocast, off$"):
+        amp_bn_fix.set_policy("fast")  # type: ignore[arg-type]
+

@@ -57,3 +57,160 @@ def test_cuda_numerics_match_fp64(dtype):
     assert out.dtype is torch.float32
     assert (out.double() - expected).abs().max().item() < 2e-5
     torch.testing.assert_close(bn.running_var.double(), ref.running_var, rtol=1e-6, atol=1e-6)
+
+
+# --- what tools/gpu_check.sh runs as sections of its own (by these names: sync_debug, cuda_graph,
+# reduce_overhead) -------------------------------------------------------------------------------
+
+POLICIES = ["fp32", "input", "autocast"]
+
+
+def small_net() -> nn.Module:
+    """Conv + BN, a residual conv + BN block and a classifier, on CUDA."""
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x + self.bn(self.conv(x)))
+
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), Residual(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).cuda()
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # No cross-entropy: its target checks are not this package's to vouch for; autocast's weight
+    # cache stays off, as CUDA graphs require.
+    with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+        out = model(x)
+    return out.float().square().mean()
+
+
+def batch_norms(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_training_step_and_an_eval_forward_make_no_host_sync_debug(policy):
+    # The shim decides the guard on the device and counts there: nothing it adds may wait for the GPU.
+    torch.manual_seed(0)
+    model = small_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, x).backward()
+        opt.step()
+        model.eval()
+        with torch.no_grad():
+            loss_of(model, x)
+        model.train()
+
+    with amp_bn_fix.configure(policy=policy):
+        step()  # lazy initialisation (cuDNN, the allocator) may synchronise once
+        torch.cuda.synchronize()
+        before = sum(amp_bn_fix.report()["handled"].values())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum(amp_bn_fix.report()["handled"].values()) - before == 2 * 2 * len(batch_norms(model))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_training_step_captured_in_a_cuda_graph_replays_as_eager_runs_it(policy):
+    import copy
+
+    torch.manual_seed(0)
+    eager = small_net()
+    graphed = copy.deepcopy(eager)
+    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, graphed)}
+    data = [torch.randn(8, 3, 16, 16, device="cuda") for _ in range(6)]
+
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        optimizers[id(model)].zero_grad(set_to_none=True)
+        loss = loss_of(model, x)
+        loss.backward()
+        optimizers[id(model)].step()
+        return loss
+
+    with amp_bn_fix.configure(policy=policy):
+        # Warm-up on a side stream, as torch's documentation asks before a capture; the eager
+        # twin takes the same steps.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for x in data[:3]:
+                step(graphed, x)
+        torch.cuda.current_stream().wait_stream(side)
+        for x in data[:3]:
+            step(eager, x)
+        static_x = data[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        optimizers[id(graphed)].zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            static_loss = loss_of(graphed, static_x)
+            static_loss.backward()
+            optimizers[id(graphed)].step()
+        for x in data[3:]:
+            static_x.copy_(x)
+            graph.replay()
+            expected = step(eager, x)
+            torch.testing.assert_close(static_loss, expected, rtol=1e-3, atol=1e-5)
+    torch.cuda.synchronize()
+    for got, want in zip(batch_norms(graphed), batch_norms(eager)):
+        assert got.running_mean.dtype is torch.float32
+        torch.testing.assert_close(got.running_mean, want.running_mean, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(got.running_var, want.running_var, rtol=1e-3, atol=1e-5)
+        assert got.num_batches_tracked.item() == want.num_batches_tracked.item() == 6
+    for got, want in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compile_with_reduce_overhead_matches_eager():
+    import copy
+
+    torch.manual_seed(0)
+    eager = small_net()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(lambda x: loss_of(compiled_model, x), mode="reduce-overhead")
+    for i in range(4):  # the first calls compile and record the graphs, the later ones replay them
+        x = torch.randn(8, 3, 16, 16, device="cuda")
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(x)
+        got.backward()
+        want = loss_of(eager, x)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5, msg=lambda m: f"call {i}: {m}")
+    for got, want in zip(compiled_model.parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-2, atol=1e-4)
+    for got, want in zip(batch_norms(compiled_model), batch_norms(eager)):
+        torch.testing.assert_close(got.running_var, want.running_var, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_torch_cuda_batch_norm_takes_a_16bit_input_with_fp32_parameters(dtype, training, channels_last):
+    # The mixed call the input and autocast policies make on CUDA: torch's own kernel, no shim.
+    amp_bn_fix.disable()
+    torch.manual_seed(0)
+    x = (torch.randn(16, 8, 7, 7, device="cuda") * 3 + 1).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight, bias = torch.rand(8, device="cuda") + 0.5, torch.randn(8, device="cuda")
+    mean, var = torch.randn(8, device="cuda"), torch.rand(8, device="cuda") + 0.5
+    stats = (mean.clone(), var.clone())
+    out = torch.nn.functional.batch_norm(x, *stats, weight, bias, training, 0.1, 1e-5)
+    expected = torch.nn.functional.batch_norm(x.double(), mean.double(), var.double(), weight.double(),
+                                              bias.double(), training, 0.1, 1e-5)
+    assert out.dtype is dtype and stats[0].dtype is torch.float32
+    # One rounding of the output to 16 bits, relative to its largest value (eps: 2**-10 / 2**-7).
+    eps = torch.finfo(dtype).eps
+    assert (out.double() - expected).abs().max().item() <= eps * expected.abs().max().item()

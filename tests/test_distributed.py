@@ -5,13 +5,14 @@ DDP, FSDP2, FSDP1 and SyncBatchNorm; the workers (ddp_worker.py, dist_worker.py)
 
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from _shared import SUBPROCESS_TIMEOUT, child_env
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +22,12 @@ RANKS = 2
 
 @pytest.mark.parametrize("policy, bn_out", [("fp32", "torch.float32"), ("input", "torch.bfloat16")])
 def test_torchrun_ddp_workers_get_the_shim_from_the_environment(tmp_path, policy, bn_out, run_torchrun):
-    env = {**os.environ, "AMP_BN_FIX": "1", "AMP_BN_FIX_POLICY": policy, "OMP_NUM_THREADS": "1"}
+    env = child_env(AMP_BN_FIX="1", AMP_BN_FIX_POLICY=policy, OMP_NUM_THREADS="1")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
         str(WORKER), str(tmp_path),
     ]
-    result = run_torchrun(command, env=env, capture_output=True, text=True, timeout=300)
+    result = run_torchrun(command, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr[:6000]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
     for report in reports:
@@ -65,12 +66,12 @@ def dist_reports(policy, run_torchrun, tmp_path_factory, ranks=RANKS, scenarios=
     key = (policy, ranks, tuple(scenarios))
     if key not in _dist_reports:
         out = tmp_path_factory.mktemp(f"dist-{policy}-{ranks}")
-        env = {**os.environ, "AMP_BN_FIX": "1", "AMP_BN_FIX_POLICY": policy, "OMP_NUM_THREADS": "1"}
+        env = child_env(AMP_BN_FIX="1", AMP_BN_FIX_POLICY=policy, OMP_NUM_THREADS="1")
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
             str(DIST_WORKER), str(out), *scenarios,
         ]
-        result = run_torchrun(command, env=env, capture_output=True, text=True, timeout=300)
+        result = run_torchrun(command, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
         assert result.returncode == 0, result.stderr[-6000:]
         _dist_reports[key] = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
     reports = _dist_reports[key]
@@ -246,7 +247,6 @@ FSDP_CAST_PROBE = r"""
 import json, os, sys, torch, torch.distributed as dist
 from torch import nn
 import amp_bn_fix
-from amp_bn_fix import _patch
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -271,7 +271,7 @@ def fsdp2(bn_unit):
 
 report = {}
 for keep in ("all", "stats"):
-    _patch.configure(_patch.current_config().replace(keep_fp32=keep))
+    amp_bn_fix.configure(keep_fp32=keep)
     for name, make in (("fsdp1", fsdp1), ("fsdp2", fsdp2)):
         for bn_unit in (False, True):
             key = f"{keep}-{name}-{'bn-unit' if bn_unit else 'one-unit'}"
@@ -292,9 +292,8 @@ def test_fsdp_units_of_a_16_bit_cast_model(tmp_path):
     """``keep_fp32=all`` gives BatchNorm FP32 parameters in a 16-bit model; FSDP flattens (FSDP1) or
     groups (FSDP2) one dtype per unit, so BatchNorm needs a unit of its own, as FSDP's own
     MixedPrecision gives it. ``stats`` keeps every parameter 16-bit: one unit works."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}
-    result = subprocess.run([sys.executable, "-c", FSDP_CAST_PROBE, str(tmp_path / "store")], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", FSDP_CAST_PROBE, str(tmp_path / "store")], env=child_env(),
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.splitlines()[-1])
     for key, outcome in report.items():

@@ -2,7 +2,7 @@
 exactly the settings, commands and options the code has.
 
 The code side comes from the code itself, through ``code_settings`` and ``code_commands`` below (the
-names module's ``ENV_NAMES``, the ``amp-bn-fix`` argparse parser): repoint those two if the
+settings table's ``ENV_NAMES``, the ``amp-bn-fix`` argparse parser): repoint those two if the
 code moves. The docs side is read from the reference tables of docs/configuration.md and
 docs/cli.md. A table row marked ``<!-- pending -->`` documents something that is not in the code
 yet: it must not be in the code, and once it is, the marker has to go.
@@ -16,8 +16,7 @@ import re
 import pytest
 
 import amp_bn_fix
-from _amp_bn_fix_boot import cli, names, settings
-from amp_bn_fix import _patch
+from _amp_bn_fix_boot import cli, settings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -27,7 +26,7 @@ PENDING = "<!-- pending -->"
 
 def code_settings():
     """The environment variables the code reads."""
-    return set(names.ENV_NAMES)
+    return set(settings.ENV_NAMES)
 
 
 def code_commands():
@@ -47,7 +46,8 @@ def code_commands():
 
 # ------------------------------------------------------------------------------ docstring examples
 
-# Where the public API is documented: the package, and Config (defined in settings).
+# Where the public API is documented: the package (Config included: it is public there, and says
+# so in its __module__), and the settings module it comes from.
 MODULES = [amp_bn_fix, settings]
 
 
@@ -59,10 +59,10 @@ def examples(module):
 @pytest.fixture
 def saved_settings():
     """The process-wide settings and the patch, put back as they were after the examples."""
-    config, installed = _patch.current_config(), _patch.is_installed()
-    yield
-    _patch.configure(config)
-    (_patch.install if installed else _patch.uninstall)()
+    installed = amp_bn_fix.is_enabled()
+    with amp_bn_fix.configure():
+        yield
+    (amp_bn_fix.enable if installed else amp_bn_fix.disable)()
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
@@ -76,7 +76,8 @@ def test_docstring_examples(module, saved_settings):
 
 def test_the_public_api_is_documented_with_examples():
     documented = {test.name.rpartition(".")[2] for module in MODULES for test in examples(module)}
-    for name in ("enable", "disable", "is_enabled", "get_policy", "set_policy", "policy", "get_config", "describe"):
+    for name in ("enable", "disable", "is_enabled", "get_policy", "set_policy", "policy", "configure", "get_config",
+                 "Config", "describe"):
         assert name in documented, f"{name} has no docstring example"
 
 
@@ -195,3 +196,15 @@ def test_commands_named_anywhere_in_the_docs_exist():
     for page in PAGES:
         for name in re.findall(r"\bamp-bn-fix ([a-z][a-z-]*)\b", page.read_text()):
             assert name in commands, f"{page.relative_to(ROOT)} names `amp-bn-fix {name}`"
+
+
+def test_the_error_lines_the_docs_quote_are_the_commands():
+    # docs/cli.md and docs/configuration.md show what a bad setting prints: the command's own line.
+    quoted = [line for page in ("cli.md", "configuration.md") for line in (DOCS / page).read_text().splitlines()
+              if line.strip().startswith("amp-bn-fix: error: ")]
+    assert quoted, "no error line quoted"
+    for line in quoted:
+        variable, value = re.match(r"amp-bn-fix: error: (\w+)='(\w+)'", line.strip()).groups()
+        (problem,) = settings.problems({variable: value})
+        assert line.strip() == f"{cli.PROG}: error: {problem} (from the environment)"
+

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +12,15 @@ from typing import List
 
 import pytest
 
+from _shared import SUBPROCESS_TIMEOUT, child_env
+
 # Each example starts fresh interpreters (the numerics study and torchrun several): seconds to minutes.
 pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name: str, *args: str, timeout: float = 120, run=subprocess.run, cwd=None) -> str:
+def run_example(name: str, *args: str, timeout: float = SUBPROCESS_TIMEOUT, run=subprocess.run, cwd=None) -> str:
     done = run(
         [sys.executable, str(EXAMPLES / name), *args],
         cwd=cwd,
@@ -27,7 +28,7 @@ def run_example(name: str, *args: str, timeout: float = 120, run=subprocess.run,
         stderr=subprocess.PIPE,
         text=True,
         timeout=timeout,
-        env={k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")},
+        env=child_env(),
     )
     assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout

@@ -18,12 +18,11 @@ import torch
 import torch.nn.functional as F
 
 import amp_bn_fix
-from _amp_bn_fix_boot import settings
-from amp_bn_fix import _kernels, _patch
+from amp_bn_fix import _kernels, _patch, _tuning
 
 from _bounds import assert_near
+from _shared import ORIGINAL, compare_outcomes, outcome
 
-ORIGINAL = F.batch_norm.__wrapped__
 HALF = [torch.float16, torch.bfloat16]
 HALF_IDS = ["fp16", "bf16"]
 POLICIES = ["fp32", "input", "autocast"]
@@ -317,7 +316,7 @@ def test_fp32_policy_training_takes_its_statistics_from_the_half_input(dtype):
 
 # The real size thresholds (the tests' conftest lowers them to 0 for their small inputs), read at
 # collection, before any fixture runs.
-REAL_MIN_VALUES, REAL_MIN_PER_CHANNEL = _kernels._MIN_VALUES, _kernels._MIN_PER_CHANNEL
+REAL_MIN_VALUES, REAL_MIN_PER_CHANNEL = _tuning.MIN_VALUES, _tuning.MIN_PER_CHANNEL
 
 
 @pytest.fixture
@@ -328,40 +327,50 @@ def torch_threads():
     torch.set_num_threads(before)
 
 
-# Whether the fast path takes a shape, at one and at two torch threads (half a million values
-# times the square of the thread count, 1536 per channel, rows of 32 values or more that split into
-# pieces of 32 to 1024).
-ROUTES = [
-    ((168, 16, 14, 14), {1: True, 2: False}),  # rows of 196 (parts of 4 samples), 526848 values
-    ((672, 16, 14, 14), {1: True, 2: True}),  # 2107392 values
-    ((2, 4, 256, 256), {1: True, 2: False}),  # rows in pieces of 1024, exactly 2**19 values
-    ((2, 4, 512, 512), {1: True, 2: True}),  # exactly 2**21 values
-    ((2, 4, 512, 384), {1: True, 2: False}),  # 2**20 + 2**19 values
-    ((256, 16, 12, 12), {1: True, 2: False}),  # rows of 144
-    ((512, 32, 6, 6), {1: True, 2: False}),  # rows of 36 (parts of 16 samples)
-    ((4, 4, 128, 128), {1: False, 2: False}),  # 2**18 values: the fixed cost does not pay
-    ((8, 256, 14, 14), {1: False, 2: False}),  # 401408 values
-    ((8, 240, 12, 12), {1: False, 2: False}),  # 1152 per channel
-    ((1024, 64, 3, 3), {1: False, 2: False}),  # 589824 values in rows of 9
-    ((4096, 64, 3, 3), {1: False, 2: False}),  # rows of 9 at any size
-    ((64, 4, 2062), {1: False, 2: False}),  # rows of 2 x 1031 values: no pieces of 32 to 1024 values
-]
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("shape, fast", ROUTES, ids=[str(shape) for shape, _ in ROUTES])
-def test_fp32_policy_training_fast_path_starts_where_it_pays(monkeypatch, torch_threads, threads, shape, fast):
-    monkeypatch.setattr(_kernels, "_MIN_VALUES", REAL_MIN_VALUES)
-    monkeypatch.setattr(_kernels, "_MIN_PER_CHANNEL", REAL_MIN_PER_CHANNEL)
-    torch_threads(threads)
-    x = (torch.randn(shape, generator=torch.Generator().manual_seed(4)) + 2).bfloat16()
+def _fp32_training_call(shape, seed=4):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) + 2).bfloat16()
     running_mean, running_var = torch.zeros(shape[1]), torch.ones(shape[1])
     with OpLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
         out = F.batch_norm(x, running_mean, running_var, training=True)
     assert out.dtype is torch.float32
-    assert any(op == "batch_norm_update_stats" for op, _, _ in log.ops) is fast[threads]
-    # Either path: as accurate as the FP32 kernel.
+    fast = any(op == "batch_norm_update_stats" for op, _, _ in log.ops)
+    return x, out, running_mean, running_var, fast
+
+
+# What the tuning cannot change: rows (one sample, one channel) shorter than 32 values, or with no
+# split into equal pieces of 32 to 1024 values, are never taken, at any size and thread count.
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(512, 8, 3, 3), (64, 8, 31), (16, 4, 2062)], ids=["rows-of-9", "rows-of-31", "no-pieces"])
+def test_fp32_fast_path_never_takes_rows_it_cannot_reduce_quickly(torch_threads, threads, shape):
+    torch_threads(threads)
+    x, out, running_mean, running_var, fast = _fp32_training_call(shape)
+    assert not fast
     assert_as_accurate_as_the_fp32_kernel(x, out, running_mean, running_var)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp32_fast_path_leaves_small_inputs_to_the_reference(monkeypatch, torch_threads, threads):
+    # With the real thresholds, an input below them (whatever they are) takes the reference path.
+    monkeypatch.setattr(_tuning, "MIN_VALUES", REAL_MIN_VALUES)
+    monkeypatch.setattr(_tuning, "MIN_PER_CHANNEL", REAL_MIN_PER_CHANNEL)
+    torch_threads(threads)
+    channels = 4
+    samples = max(2, min(_tuning.min_values(), REAL_MIN_PER_CHANNEL * channels) // (channels * 64) - 1)
+    *_, fast = _fp32_training_call((samples, channels, 64))
+    assert not fast
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(8, 16, 14, 14), (2, 4, 4096), (16, 8, 6, 6)], ids=["2d", "long-rows", "short-rows"])
+def test_fast_paths_switch_changes_no_result_beyond_the_bound(monkeypatch, torch_threads, threads, shape):
+    torch_threads(threads)
+    x, fast_out, fast_mean, fast_var, fast = _fp32_training_call(shape)
+    assert fast  # thresholds at 0 (conftest): the fast path takes these shapes
+    monkeypatch.setattr(_tuning, "fast_paths", False)
+    x, ref_out, ref_mean, ref_var, fast = _fp32_training_call(shape)
+    assert not fast
+    assert_as_accurate_as_the_fp32_kernel(x, fast_out, fast_mean, fast_var)
+    assert_as_accurate_as_the_fp32_kernel(x, ref_out, ref_mean, ref_var)
 
 
 def assert_as_accurate_as_the_fp32_kernel(x, out, running_mean, running_var):
@@ -422,7 +431,7 @@ def test_fp32_policy_chunked_forward_and_backward_match_the_references(monkeypat
                                                                       shape, affine, mean):
     # Chunks of 2 samples per thread out of 9 (the last one shorter): the forward and backward of
     # large inputs, made small.
-    monkeypatch.setattr(_kernels, "_CHUNK", 2 * math.prod(shape[1:]))
+    monkeypatch.setattr(_tuning, "CHUNK", 2 * math.prod(shape[1:]))
     torch_threads(threads)
     assert len(_kernels._chunks(torch.empty(shape))) == -(-9 // (2 * threads))
     calls = []
@@ -495,20 +504,14 @@ def error_calls():
 def test_invalid_calls_raise_the_originals_error(policy, name):
     amp_bn_fix.set_policy(policy)
     args = error_calls()[name]
-    try:
-        ORIGINAL(args[0].float(), *args[1:])
-    except Exception as error:
-        theirs = error
-    else:
-        # Older torch accepts some of these (eps <= 0 on 2.4 to 2.8, running_mean without
-        # running_var on 2.4 and 2.6): the shim must accept them too.
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            F.batch_norm(*args)
-        return
-    with pytest.raises(type(theirs)) as ours, torch.autocast("cpu", dtype=torch.bfloat16):
-        F.batch_norm(*args)
-    assert type(ours.value) is type(theirs)
-    assert str(ours.value) == str(theirs)
+    # Older torch accepts some of these (eps <= 0 on 2.4 to 2.8, running_mean without running_var
+    # on 2.4 and 2.6): the shim must accept them too, and compute what the original computes.
+    theirs = outcome(ORIGINAL, args, input_dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = outcome(F.batch_norm, args)
+    x = args[0]
+    compare_outcomes(ours, theirs, lambda: outcome(ORIGINAL, args, dtype=torch.float64),
+                     n=x.numel() // x.shape[1] if x.dim() > 1 else 1)
 
 
 # --- the guard on the fast paths -------------------------------------------------------------
@@ -575,7 +578,7 @@ def test_fp32_policy_double_backward_matches_the_reference(dtype):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_compiled_forward_and_backward_match_eager(backend, policy):
     torch._dynamo.reset()
-    _patch.configure(settings.Config().replace(policy=policy))
+    amp_bn_fix.configure(policy=policy)
     case = make_case(SHAPES["bn2d"], torch.bfloat16, "contiguous", True, affine=True, stats=True)
 
     def step(x, mean, var, w, b):

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import amp_bn_fix
+from _shared import ORIGINAL
 
-ORIGINAL = F.batch_norm.__wrapped__
 HALF = (torch.float16, torch.bfloat16)
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 FUZZ = settings(

@@ -9,10 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_bn_fix
-from amp_bn_fix import _patch
 
 C = 8
 BAD = [float("inf"), float("-inf"), float("nan")]
+
+# Every test on the CPU's route and on the route a CUDA call takes (see conftest).
+pytestmark = pytest.mark.usefixtures("both_routes")
 
 
 def _batch(seed, dtype=torch.float32, bad=None):
@@ -34,15 +36,19 @@ def _stats(bn):
     return bn.running_mean.detach().clone(), bn.running_var.detach().clone()
 
 
+def _computed_stats(bn):
+    """The stats the shim computes with: a half model's FP32 master (``keep_fp32="master"``), else the buffers."""
+    from amp_bn_fix import _master
+
+    master = _master.peek(bn.running_mean, bn.running_var)
+    return _stats(bn) if master is None else (master[0].clone(), master[1].clone())
+
+
 def _fp64_update(stats, x, momentum=0.1):
     """Running stats after one training step, computed in float64 on the same input values."""
     mean, var = (s.double().clone() for s in stats)
     F.batch_norm(x.double(), mean, var, training=True, momentum=momentum)
     return mean, var
-
-
-def _guard(on):
-    _patch.configure(_patch.current_config().replace(guard=on))
 
 
 # Every kind of call the shim handles: (how to prepare the module, input dtype, under autocast).
@@ -57,7 +63,7 @@ HANDLED = {
 
 def _prepare(case):
     if case == "keep-all-model":
-        _patch.configure(_patch.current_config().replace(keep_fp32="all"))
+        amp_bn_fix.configure(keep_fp32="all")
     prepare, dtype, autocast = HANDLED[case]
     return prepare(_bn()), dtype, autocast
 
@@ -66,17 +72,21 @@ def _prepare(case):
 @pytest.mark.parametrize("case", sorted(HANDLED))
 def test_non_finite_batch_leaves_stats_exactly_and_next_batch_updates(case, bad):
     bn, dtype, autocast = _prepare(case)
-    before = _stats(bn)
+    before, computed = _stats(bn), _computed_stats(bn)
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
         out = bn(_batch(1, dtype, bad))
     assert not torch.isfinite(out).all()  # GradScaler still sees the bad step
     assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+    assert all(torch.equal(a, b) for a, b in zip(_computed_stats(bn), computed))
     good = _batch(2, dtype)
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
         bn(good)
-    want_mean, want_var = _fp64_update(before, good)
-    torch.testing.assert_close(bn.running_mean.double(), want_mean, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(bn.running_var.double(), want_var, rtol=1e-6, atol=1e-6)
+    want_mean, want_var = _fp64_update(computed, good)
+    mean, var = _computed_stats(bn)
+    torch.testing.assert_close(mean.double(), want_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(var.double(), want_var, rtol=1e-6, atol=1e-6)
+    # A half model's buffers hold its master rounded once.
+    assert torch.equal(bn.running_mean, mean.to(bn.running_mean.dtype))
 
 
 def test_half_stats_model_under_autocast_is_guarded_too():
@@ -91,7 +101,7 @@ def test_half_stats_model_under_autocast_is_guarded_too():
 
 @pytest.mark.parametrize("case", sorted(HANDLED))
 def test_guard_off_lets_the_bad_batch_corrupt_the_stats(case):
-    _guard(False)
+    amp_bn_fix.configure(guard=False)
     bn, dtype, autocast = _prepare(case)
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
         bn(_batch(1, dtype, float("inf")))
@@ -133,7 +143,7 @@ def test_pass_through_calls_stay_bitwise_native(dtype, autocast, policy):
 @pytest.mark.parametrize("case", sorted(HANDLED))
 def test_backward_with_the_guard(case, guard):
     """No tensor saved for backward is modified in place afterwards (as torch's kernels do)."""
-    _guard(guard)
+    amp_bn_fix.configure(guard=guard)
     bn, dtype, autocast = _prepare(case)
     reference = copy.deepcopy(_bn()).double()
     x = _batch(3, dtype)
@@ -149,7 +159,7 @@ def test_backward_with_the_guard(case, guard):
     rtol, atol = (2e-2, 8e-2) if dtype is torch.bfloat16 else (2e-3, 1e-2)
     torch.testing.assert_close(bn.weight.grad.double(), reference.weight.grad, rtol=rtol, atol=atol)
     torch.testing.assert_close(bn.bias.grad.double(), reference.bias.grad, rtol=rtol, atol=atol)
-    torch.testing.assert_close(bn.running_var.double(), reference.running_var, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_computed_stats(bn)[1].double(), reference.running_var, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("guard", [True, False])
@@ -160,7 +170,7 @@ def test_backward_through_an_eval_call_after_the_stats_were_updated(case, guard)
     torch's kernels update running stats without bumping their version counter, so this works
     natively (a mean teacher, or validation inside a step); a write-back must not break it.
     """
-    _guard(guard)
+    amp_bn_fix.configure(guard=guard)
     bn, dtype, autocast = _prepare(case)
     x = _batch(1, dtype).requires_grad_()
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
@@ -170,7 +180,7 @@ def test_backward_through_an_eval_call_after_the_stats_were_updated(case, guard)
         second = bn(_batch(2, dtype))
     (first.float().sum() + second.float().sum()).backward()
     # As torch computes it: the eval call's backward reads the running variance at backward time.
-    scale = bn.weight.double() / (bn.running_var.double() + bn.eps).sqrt()
+    scale = bn.weight.double() / (_computed_stats(bn)[1].double() + bn.eps).sqrt()
     torch.testing.assert_close(x.grad.double(), scale.expand(x.shape), rtol=1e-2, atol=1e-2)
 
 
@@ -209,7 +219,7 @@ def test_guard_compiles_with_fullgraph(backend):
 
 def _train(batches, guard, skip=None):
     """An AMP training loop on CPU: float16 autocast, GradScaler, SGD."""
-    _guard(guard)
+    amp_bn_fix.configure(guard=guard)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(C, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -293,19 +303,64 @@ def test_stats_are_bit_for_bit_those_of_a_run_that_never_saw_the_bad_batch(polic
     assert runs["with"][0].dtype is torch.float32
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["host-check", "device-check"])
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+@pytest.mark.parametrize("host", [True, False], ids=["host-route", "device-route"])
 @pytest.mark.parametrize("bad", [None, *BAD])
 @pytest.mark.parametrize("where", [0, 1], ids=["mean", "var"])
-def test_write_back_takes_all_or_nothing(on_host, bad, where):
-    # Both decisions (the CPU's host check, the device-side select used elsewhere), on CPU tensors.
-    from amp_bn_fix import _policy
+def test_guarded_update_takes_all_or_nothing(host, bad, where, raises):
+    # A kernel stand-in writes chosen values as its update; both routes decide on CPU tensors.
+    # Finite values near float32's limits must still be written (the host route's dot product of
+    # the stats overflows there and must not count as a non-finite batch).
+    from amp_bn_fix import _stats
 
     old = (torch.randn(C), torch.rand(C) + 0.5)
     stats = tuple(t.clone() for t in old)
-    # Finite values near float32's limits must still be written (no overflow in the check).
-    work = torch.stack((torch.full((C,), -3e38), torch.full((C,), 3e38)))
+    new = torch.stack((torch.full((C,), -3e38), torch.full((C,), 3e38)))
     if bad is not None:
-        work[where, 3] = bad
-    _policy._guarded_write_back(stats, work, on_host)
-    expected = old if bad is not None else tuple(work)
+        new[where, 3] = bad
+
+    def kernel(mean, var):
+        mean.copy_(new[0])
+        var.copy_(new[1])
+        if raises:  # as checkpointing's early stop raises out of a recomputed kernel after its update
+            raise RuntimeError("stopped")
+        return mean
+
+    with pytest.raises(RuntimeError, match="stopped") if raises else contextlib.nullcontext():
+        _stats.updating(*stats, True, True, True, host, kernel)
+    expected = old if bad is not None else tuple(new)
     assert all(torch.equal(s, e) for s, e in zip(stats, expected))
+
+
+
+def _no_host_reads(monkeypatch):
+    """Every way Python code reads a tensor's value on the host raises (a sync on a device)."""
+
+    def read(self, *args, **kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "input", "autocast"])
+@pytest.mark.parametrize("bad", [None, float("nan")])
+def test_device_route_reads_nothing_on_the_host(both_routes, policy, bad):
+    if both_routes != "device":
+        pytest.skip("the host route reads the guard's decision on purpose")
+    amp_bn_fix.set_policy(policy)
+    bn = _bn()
+    before = _stats(bn)
+    x = _batch(1, torch.bfloat16, bad).requires_grad_()
+    with pytest.MonkeyPatch.context() as patch, torch.autocast("cpu", dtype=torch.bfloat16):
+        _no_host_reads(patch)
+        bn(x).float().sum().backward()
+        bn.eval()
+        bn(x)
+    assert x.grad is not None
+    after = _stats(bn)
+    if bad is None:
+        assert not torch.equal(after[0], before[0])
+    else:
+        assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"].get("0", 0) == (1 if bad is not None else 0)

@@ -11,6 +11,7 @@ import sysconfig
 import pytest
 
 from _amp_bn_fix_boot import cli as launcher
+from _shared import SUBPROCESS_TIMEOUT, child_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = shutil.which("amp-bn-fix", path=os.path.dirname(sys.executable))
@@ -23,9 +24,7 @@ import torch.nn.functional as F
 import wrapt
 from torch import nn
 
-depth, function = 0, F.batch_norm
-while isinstance(function, wrapt.FunctionWrapper):
-    depth, function = depth + 1, function.__wrapped__
+depth = len(list(wrapt.wrapper_chain(F.batch_norm))) - 1  # the wrappers above torch's function
 net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
 with torch.autocast("cpu", dtype=torch.bfloat16):
     out = net(torch.randn(8, 4))
@@ -41,7 +40,7 @@ print(json.dumps({
 def amp_bn_fix(*args, env=None):
     assert CONSOLE_SCRIPT, "the amp-bn-fix console script is not installed next to this interpreter"
     return subprocess.run(
-        [CONSOLE_SCRIPT, *args], env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=120
+        [CONSOLE_SCRIPT, *args], env=child_env(**(env or {})), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT
     )
 
 
@@ -71,7 +70,7 @@ def test_the_bootstrap_sitecustomize_alone_enables_the_shim():
     code = f"import sys; sys.path[:0] = {paths!r}; import sitecustomize\n" + PROBE
     result = subprocess.run(
         [sys.executable, "-S", "-c", code],
-        env={**os.environ, "AMP_BN_FIX": "1"}, capture_output=True, text=True, timeout=120,
+        env=child_env(AMP_BN_FIX="1"), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
     )
     got = report(result)
     assert (got["wrappers"], got["bn_out"]) == (1, "torch.float32")
@@ -81,8 +80,8 @@ def test_the_bootstrap_sitecustomize_warns_once_where_amp_bn_fix_is_not_installe
     # As in an interpreter of another environment: nothing of the package on its path.
     code = f"import sys; sys.path.insert(0, {launcher.BOOTSTRAP_DIR!r}); import sitecustomize; print('ran')"
     result = subprocess.run(
-        [sys.executable, "-S", "-c", code], env={**os.environ, "AMP_BN_FIX": "1"}, cwd=tmp_path,
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-S", "-c", code], env=child_env(AMP_BN_FIX="1"), cwd=tmp_path,
+        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
     )
     assert (result.returncode, result.stdout.strip()) == (0, "ran")
     (line,) = result.stderr.strip().splitlines()
@@ -111,15 +110,18 @@ def test_the_exit_code_is_the_commands(via):
     if via == "console script":
         result = amp_bn_fix(*command)
     else:
-        result = subprocess.run([sys.executable, "-m", "amp_bn_fix", *command], capture_output=True, text=True, timeout=120)
+        result = subprocess.run([sys.executable, "-m", "amp_bn_fix", *command], capture_output=True, text=True,
+                                timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 7, result.stderr
 
 
 @pytest.mark.parametrize(
     "args, env, message",
     [
-        (["--policy", "bogus", "--", "true"], {}, "invalid choice: 'bogus'"),
-        (["--devices", "gpu", "--", "true"], {}, "--devices='gpu' is not valid"),
+        (["--policy", "bogus", "--", "true"], {},
+         "argument --policy: 'bogus' is not valid; allowed values: fp32, input, autocast, off"),
+        (["--devices", "gpu", "--", "true"], {}, "argument --devices: 'gpu' is not valid; allowed values: 'all' or"),
+        (["--guard", "maybe", "--", "true"], {}, "argument --guard: 'maybe' is not valid"),
         (["--"], {}, "missing the command"),
         (["--", "true"], {"AMP_BN_FIX_POLICY": "bogus"}, "AMP_BN_FIX_POLICY='bogus' is not valid"),
     ],
@@ -128,6 +130,13 @@ def test_bad_arguments_are_clear_errors(args, env, message):
     result = amp_bn_fix("run", *args, env=env)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_run_names_every_bad_inherited_setting():
+    result = amp_bn_fix("run", "--", "true", env={"AMP_BN_FIX_POLICY": "x", "AMP_BN_FIX_KEEP_FP32": "y"})
+    assert result.returncode == 2
+    assert [line.split(" is not valid")[0] for line in result.stderr.splitlines()] == [
+        "amp-bn-fix: error: AMP_BN_FIX_POLICY='x'", "amp-bn-fix: error: AMP_BN_FIX_KEEP_FP32='y'"]
 
 
 def test_a_missing_command_exits_127():
@@ -143,16 +152,34 @@ def test_run_imports_neither_torch_nor_amp_bn_fix():
         "from _amp_bn_fix_boot import cli as launcher\n"
         "launcher.main(['run', '--', 'true'])\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.stdout.split() == ["['true']", "False", "False"], result.stderr
 
 
 def test_environment_switches_the_shim_on_and_puts_the_bootstrap_first_once():
     base = {"PYTHONPATH": os.pathsep.join(["/somewhere", launcher.BOOTSTRAP_DIR])}
-    env = launcher.environment("input", "cpu", base)
+    env = launcher.environment(base, policy="input", devices="cpu")
     assert (env["AMP_BN_FIX"], env["AMP_BN_FIX_POLICY"], env["AMP_BN_FIX_DEVICES"]) == ("1", "input", "cpu")
     assert env["PYTHONPATH"].split(os.pathsep) == [launcher.BOOTSTRAP_DIR, "/somewhere"]
-    assert launcher.environment(None, None, {})["PYTHONPATH"] == launcher.BOOTSTRAP_DIR
+    assert launcher.environment({})["PYTHONPATH"] == launcher.BOOTSTRAP_DIR
+
+
+def test_run_has_an_option_for_each_setting_read_as_its_variable_reads_it(monkeypatch):
+    # The options come from the settings table: values are case-insensitive, as in the environment,
+    # and reach the command spelled as the variables spell them.
+    from _amp_bn_fix_boot import settings
+
+    seen = {}
+    monkeypatch.setattr(os, "execvpe", lambda file, args, env: seen.update(env) or sys.exit(0))
+    with pytest.raises(SystemExit):
+        launcher.main(["run", "--policy", "Input", "--devices", "CUDA, cpu", "--keep-fp32", "STATS", "--guard", "off",
+                       "--report", "--", "true"])
+    assert {name: seen[name] for name in settings.ENV_NAMES} == {
+        "AMP_BN_FIX": "1", "AMP_BN_FIX_POLICY": "input", "AMP_BN_FIX_DEVICES": "cpu,cuda",
+        "AMP_BN_FIX_KEEP_FP32": "stats", "AMP_BN_FIX_GUARD": "0", "AMP_BN_FIX_REPORT": "1",
+    }
+    with pytest.raises(TypeError, match="unexpected setting 'enable'"):
+        launcher.environment({}, enable="1")
 
 
 def test_a_misspelled_option_names_the_closest_valid_one(capsys):

@@ -13,10 +13,9 @@ from torch.overrides import TorchFunctionMode
 
 import amp_bn_fix
 from _bounds import assert_near
-from _amp_bn_fix_boot import settings
-from amp_bn_fix import _patch, _policy
+from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env, compare_outcomes, outcome
+from amp_bn_fix import _decide, _patch
 
-ORIGINAL = F.batch_norm.__wrapped__
 
 
 def seed_net():
@@ -86,7 +85,8 @@ def test_a_wrapper_that_cannot_be_removed_stays_active_and_the_rest_come_back():
         assert amp_bn_fix.is_enabled()  # the batch_norm wrapper is still there, and says so
         assert "_apply" not in nn.modules.batchnorm._BatchNorm.__dict__
         amp_bn_fix.enable()
-        assert nn.BatchNorm1d(3).half().running_mean.dtype is torch.float32
+        with amp_bn_fix.configure(keep_fp32="all"):  # the cast patch is back in place
+            assert nn.BatchNorm1d(3).half().running_mean.dtype is torch.float32
     finally:
         F.batch_norm = inner
     amp_bn_fix.disable()
@@ -194,10 +194,10 @@ def test_enable_disable_from_many_threads_never_doubles_or_loses_the_patch():
 
 def test_devices_setting_selects_device_types():
     bn, x = nn.BatchNorm2d(3), torch.randn(4, 3, 2, 2).bfloat16()
-    _patch.configure(_patch.current_config().replace(devices=settings.parse_devices("cuda")))
+    amp_bn_fix.configure(devices="cuda")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert bn(x).dtype is torch.bfloat16  # cpu not selected: native
-    _patch.configure(_patch.current_config().replace(devices=settings.parse_devices("cuda,cpu")))
+    amp_bn_fix.configure(devices="cuda,cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert bn(x).dtype is torch.float32
 
@@ -226,7 +226,7 @@ def test_pass_through_is_bitwise_native(case):
     )
     if case == "half-no-autocast":
         # An all-half call (stats cast too): the caller's choice, runs natively.
-        _patch.configure(_patch.current_config().replace(keep_fp32="none"))
+        amp_bn_fix.configure(keep_fp32="none")
         base = base.to(torch.bfloat16)
     elif dtype is torch.float64:
         base = base.double()
@@ -234,7 +234,7 @@ def test_pass_through_is_bitwise_native(case):
     if case == "policy-off":
         amp_bn_fix.set_policy("off")
     if case == "device-not-selected":
-        _patch.configure(_patch.current_config().replace(devices=frozenset({"cuda"})))
+        amp_bn_fix.configure(devices=["cuda"])
     autocast = case not in ("fp32-no-autocast", "fp64", "half-no-autocast")
 
     def step():
@@ -312,25 +312,14 @@ def test_empty_batch_under_autocast():
     ],
 )
 def test_errors_are_the_originals(args, kwargs):
-    amp_bn_fix.disable()
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ORIGINAL(*[a.float() if i == 0 else a for i, a in enumerate(args)], **kwargs)
-    except Exception as error:
-        theirs = error
-    else:
-        theirs = None
-    amp_bn_fix.enable()
-    if theirs is None:
-        # torch 2.4 to 2.8 accept eps <= 0: the shim must accept it too.
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            F.batch_norm(*args, **kwargs)
-        return
+    # torch 2.4 to 2.8 accept eps <= 0: then the shim must accept it too, and compute what they do.
+    with _patch.uninstalled(), torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = outcome(ORIGINAL, args, kwargs, input_dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(type(theirs)) as ours:
-            F.batch_norm(*args, **kwargs)
-    assert type(ours.value) is type(theirs)
-    assert str(ours.value) == str(theirs)
+        ours = outcome(F.batch_norm, args, kwargs)
+    x = args[0]
+    compare_outcomes(ours, theirs, lambda: outcome(ORIGINAL, args, kwargs, dtype=torch.float64),
+                     n=x.numel() // x.shape[1])
 
 
 # --- re-entrancy -----------------------------------------------------------------------------
@@ -357,13 +346,13 @@ class PassThroughTensor(torch.Tensor):
 def policy_calls(monkeypatch):
     """The input dtype of every call the policy decided on (re-entered calls never get there)."""
     calls = []
-    real = _policy.output_dtype
+    real = _decide.plan
 
-    def spy(policy, call):
+    def spy(call, *args):
         calls.append(call.input.dtype)
-        return real(policy, call)
+        return real(call, *args)
 
-    monkeypatch.setattr(_policy, "output_dtype", spy)
+    monkeypatch.setattr(_decide, "plan", spy)
     return calls
 
 
@@ -490,10 +479,11 @@ def test_compile_cache_key_carries_the_settings():
     config.cache_key_tag = "user-tag"
     try:
         amp_bn_fix.set_policy("input")
-        assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=input,guard=1,devices=all"
+        # ``dispatch``: the autocast keys the dispatcher door's kernels are registered at
+        assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=input,guard=1,devices=all,dispatch=cpu+cuda+xpu"
         with amp_bn_fix.policy("off"):
-            assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=off,guard=1,devices=all"
-        assert config.cache_key_tag.endswith("policy=input,guard=1,devices=all")
+            assert config.cache_key_tag == "user-tag|amp_bn_fix:policy=off,guard=1,devices=all,dispatch=cpu+cuda+xpu"
+        assert config.cache_key_tag.endswith("policy=input,guard=1,devices=all,dispatch=cpu+cuda+xpu")
         amp_bn_fix.disable()
         assert config.cache_key_tag == "user-tag"
     finally:
@@ -524,13 +514,13 @@ def test_on_disk_compile_caches_do_not_mix_runs_with_and_without_the_shim(tmp_pa
     import subprocess
     import sys
 
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path), PYTHONPATH=os.getcwd())
     runs = [({}, "torch.bfloat16"), ({"PROBE_SHIM": "1"}, "torch.float32"),
             ({"PROBE_SHIM": "1", "AMP_BN_FIX_POLICY": "input"}, "torch.bfloat16"),
             ({"PROBE_SHIM": "1"}, "torch.float32"), ({}, "torch.bfloat16")]
     for extra, dtype in runs:
         result = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env={**env, **extra},
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
         assert result.returncode == 0, result.stderr[-2000:]
         compiled_dtype, eager_dtype, diff = result.stdout.split()
         assert (compiled_dtype, eager_dtype) == (dtype, dtype), extra

@@ -10,7 +10,8 @@ from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near
-from amp_bn_fix import _patch, _policy
+from _shared import ORIGINAL
+from amp_bn_fix import _decide, _patch
 
 LOW = [torch.float16, torch.bfloat16]
 # (module class, input shape): BatchNorm1d takes (N, C) and (N, C, L).
@@ -21,9 +22,8 @@ KINDS = {
     "3d": (nn.BatchNorm3d, (4, 6, 3, 4, 3)),
 }
 
-
-def original_batch_norm():
-    return F.batch_norm.__wrapped__
+# Every test on the CPU's route and on the route a CUDA call takes (see conftest).
+pytestmark = pytest.mark.usefixtures("both_routes")
 
 
 def make_bn(kind, affine=True, track=True, seed=0):
@@ -166,7 +166,7 @@ def test_half_weight_and_bias_compute_in_fp32_and_get_their_gradients(dtype):
     rm64, rv64 = bn.running_mean.double(), bn.running_var.double()
     w64 = weight.detach().double().requires_grad_()
     b64 = bias.detach().double().requires_grad_()
-    ref = original_batch_norm()(x_low.double(), rm64, rv64, w64, b64, training=True)
+    ref = ORIGINAL(x_low.double(), rm64, rv64, w64, b64, training=True)
     ref.sum().backward()
     assert max_err(out, ref) < 2e-5
     torch.testing.assert_close(running_mean, rm64.float(), rtol=1e-6, atol=1e-6)
@@ -188,7 +188,7 @@ def test_running_stats_are_the_same_objects_and_stay_fp32():
     # Both updates arrived, in FP32, as the float64 reference makes them.
     mean64, var64 = before.double(), var_before.double()
     for dtype in LOW:
-        original_batch_norm()(x.to(dtype).double(), mean64, var64, training=True, momentum=bn.momentum)
+        ORIGINAL(x.to(dtype).double(), mean64, var64, training=True, momentum=bn.momentum)
     n = x.numel() // x.shape[1]
     assert_near(mean, mean64, n, what="running mean")
     assert_near(var, var64, n, what="running var")
@@ -203,7 +203,7 @@ def test_half_running_stats_are_updated_in_place_with_fp32_arithmetic():
     mean64, var64 = mean.double(), var.double()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         F.batch_norm(x_low, mean, var, bn.weight, bn.bias, training=True)
-    original_batch_norm()(x_low.double(), mean64, var64, training=True)
+    ORIGINAL(x_low.double(), mean64, var64, training=True)
     assert mean.dtype is torch.bfloat16
     # The FP32 update rounded once to bfloat16 (an FP32 and a float64 value near a rounding
     # boundary may round apart: the bound allows one rounding of either).
@@ -238,23 +238,28 @@ def test_shim_and_its_fp64_reference_agree_with_numpy():
 def test_bind_has_the_signature_of_f_batch_norm():
     import inspect
 
-    ours = inspect.signature(_policy.bind)
-    theirs = inspect.signature(original_batch_norm())
+    ours = inspect.signature(_decide.bind)
+    theirs = inspect.signature(ORIGINAL)
     assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == [
         (p.name, p.default, p.kind) for p in theirs.parameters.values()
     ]
 
 
 def test_policy_logic_is_stateless_and_device_agnostic():
-    """``output_dtype`` depends only on its arguments and the autocast state of the input's device."""
-    call = _policy.bind(torch.zeros(2, 3, dtype=torch.bfloat16), None, None)
-    assert _policy.output_dtype("fp32", call) is None  # no autocast, nothing mixed
+    """``plan`` depends only on its arguments and the autocast state of the input's device."""
+    call = _decide.bind(torch.zeros(2, 3, dtype=torch.bfloat16), None, None)
+
+    def out_dtype(policy, call):
+        plan = _decide.plan(call, policy, True, "none")
+        return None if plan is None else plan.out_dtype
+
+    assert out_dtype("fp32", call) is None  # no autocast, nothing mixed
     with torch.autocast("cpu", dtype=torch.float16):
-        assert _policy.output_dtype("fp32", call) is torch.float32
-        assert _policy.output_dtype("input", call) is torch.bfloat16
-        assert _policy.output_dtype("autocast", call) is torch.float16
-        assert _policy.output_dtype("off", call) is None
-    meta = _policy.bind(torch.zeros(2, 3, dtype=torch.bfloat16, device="meta"), None, None)
+        assert out_dtype("fp32", call) is torch.float32
+        assert out_dtype("input", call) is torch.bfloat16
+        assert out_dtype("autocast", call) is torch.float16
+        assert out_dtype("off", call) is None
+    meta = _decide.bind(torch.zeros(2, 3, dtype=torch.bfloat16, device="meta"), None, None)
     with torch.autocast("cpu", dtype=torch.float16):
-        assert _policy.output_dtype("fp32", meta) is None  # autocast is on for cpu, not meta
+        assert out_dtype("fp32", meta) is None  # autocast is on for cpu, not meta
     assert _patch.active_policy() == "fp32"

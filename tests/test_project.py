@@ -11,6 +11,7 @@ import zipfile
 import pytest
 
 import amp_bn_fix
+from _shared import SUBPROCESS_TIMEOUT
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -58,7 +59,8 @@ def test_ci_runs_the_suite_on_the_oldest_and_newest_python_and_torch():
 
 def test_the_torch_version_script_keeps_its_environment_outside_the_clone():
     script = ROOT / "tools" / "test_on_torch.sh"
-    result = subprocess.run([str(script), "2.4.1", str(ROOT / "venv")], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([str(script), "2.4.1", str(ROOT / "venv")], capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 2 and "outside the clone" in result.stderr
     assert not (ROOT / "venv").exists()
 
@@ -123,7 +125,7 @@ def test_the_wheel_and_the_sdist_carry_the_licence(tmp_path):
     code = ("import sys; from setuptools import build_meta as b; "
             "out = sys.argv[1]; w = b.build_wheel(out); s = b.build_sdist(out); print('built', w, s)")
     result = subprocess.run([sys.executable, "-c", code, str(dist)], cwd=project, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     wheel_name, sdist_name = result.stdout.strip().splitlines()[-1].split()[1:]
     licence = (ROOT / "LICENSE").read_bytes()

@@ -1,6 +1,5 @@
 """What the shim did: calls handled per policy, passed through, guard skips per module (``report()``)."""
 
-import os
 import subprocess
 import sys
 import warnings
@@ -11,7 +10,11 @@ from torch import nn
 
 import amp_bn_fix
 from _amp_bn_fix_boot import cli, settings
-from amp_bn_fix import _policy, _record
+from _shared import SUBPROCESS_TIMEOUT, child_env
+from amp_bn_fix import _record, _stats
+
+# Every test on the CPU's route and on the route a CUDA call takes (see conftest).
+pytestmark = pytest.mark.usefixtures("both_routes")
 
 
 def model():
@@ -46,11 +49,19 @@ def test_calls_are_counted_per_policy_and_passed_through():
     assert amp_bn_fix.report() == {"handled": {"fp32": 1, "input": 2}, "passed_through": 5, "guard_skips": {}}
 
 
-def test_guard_skips_are_counted_per_module_and_warned_once():
+def test_guard_skips_are_counted_per_module_and_warned_once(both_routes):
     net = model()
+    # A skip decided on the host is warned at once; one decided on a device is not known there
+    # until the report reads the counters.
+    first_skip = (
+        pytest.warns(RuntimeWarning, match=r"guard left the running stats of BatchNorm2d\(8\) at 0x.* as they were")
+        if both_routes == "host" else warnings.catch_warnings()
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16), amp_bn_fix.policy("input"):  # both BatchNorms handled
         net(image())
-        with pytest.warns(RuntimeWarning, match=r"guard left the running stats of BatchNorm2d\(8\) at 0x.* as they were"):
+        with first_skip:
+            if both_routes == "device":
+                warnings.simplefilter("error")
             net(image(bad=True))  # inf reaches both BatchNorms
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -61,43 +72,50 @@ def test_guard_skips_are_counted_per_module_and_warned_once():
 
 
 def test_guard_off_counts_no_skips():
-    _patch_guard(False)
+    amp_bn_fix.configure(guard=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model()(image(bad=True))
     assert amp_bn_fix.report()["guard_skips"] == {}
 
 
-def _patch_guard(on):
-    from amp_bn_fix import _patch
-
-    _patch.configure(_patch.current_config().replace(guard=on))
-
-
 def test_device_side_decisions_are_counted_without_reading_them():
     # The decision the guard makes on a device: a 0-dim tensor, added to a device counter.
     bn = nn.BatchNorm2d(4)
-    stats = (bn.running_mean, bn.running_var)
-    bad = torch.stack((torch.full((4,), float("nan")), torch.ones(4)))
-    finite = _policy._guarded_write_back(stats, bad, on_host=False)
-    assert isinstance(finite, torch.Tensor) and not finite.item()
+
+    def kernel(bad):
+        def update(mean, var):
+            mean.fill_(float("nan") if bad else 1.0)
+            return mean
+        return update
+
     calls = []
     original_item = torch.Tensor.item
     try:
         torch.Tensor.item = lambda self: calls.append(1) or original_item(self)
-        _record.guard_checked(bn.running_mean, finite)
-        _record.guard_checked(bn.running_mean, finite)
-        _record.guard_checked(bn.running_mean, torch.tensor(True))
-        assert not calls  # nothing read while counting
+        for bad in (True, False, True):
+            _stats.updating(bn.running_mean, bn.running_var, True, True, True, False, kernel(bad))
+        assert not calls  # nothing read while deciding and counting
     finally:
         torch.Tensor.item = original_item
     assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"] == {"0": 2}
+
+
+def test_device_decisions_are_summed_on_the_device_past_the_fold():
+    # More calls than are kept unsummed: the sums and the pending decisions together.
+    bn = nn.BatchNorm2d(4)
+    calls = 3 * _record._FOLD + 5
+    for step in range(calls):
+        finite = torch.tensor(step % 3 != 0)  # every third step skipped
+        _record.checked_on_device(bn.running_mean, finite)
+    assert len(_record._record_of(bn.running_mean).device_flags) == 5
+    assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"] == {"0": len(range(0, calls, 3))}
 
 
 def test_the_report_setting_is_validated_like_the_others():
     assert settings.report_requested({"AMP_BN_FIX_REPORT": "1"}) is True
     with pytest.raises(ValueError, match="AMP_BN_FIX_REPORT='sometimes' is not valid"):
         settings.from_env({"AMP_BN_FIX_REPORT": "sometimes"})
-    env = cli.environment(None, None, {}, report=True)
+    env = cli.environment({}, report=True)
     assert env["AMP_BN_FIX_REPORT"] == "1"
 
 
@@ -105,8 +123,8 @@ def test_the_report_setting_is_validated_like_the_others():
 def test_a_summary_line_at_exit():
     code = ("import torch, amp_bn_fix\nbn = torch.nn.BatchNorm1d(4)\n"
             "with torch.autocast('cpu', dtype=torch.bfloat16):\n    bn(torch.randn(8, 4, dtype=torch.bfloat16))\n")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")}, "AMP_BN_FIX_REPORT": "1"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(AMP_BN_FIX_REPORT="1"), capture_output=True,
+                            text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "amp_bn_fix: calls handled: 1 fp32; passed through: 0; guard skips: 0")
@@ -140,7 +158,10 @@ def test_naming_the_module_survives_odd_live_objects():
     del thing
     gc.collect()
     bn = nn.BatchNorm1d(3)
+    # The search of the live objects meets the proxy, which is dead: isinstance on it raises.
+    assert any(obj is dead for obj in gc.get_objects())
+    with pytest.raises(ReferenceError):
+        isinstance(dead, nn.Module)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         assert _record._label(bn.running_mean).startswith("BatchNorm1d(3) at 0x")
-    assert dead is not None

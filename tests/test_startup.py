@@ -20,6 +20,7 @@ import zipfile
 import pytest
 
 from _amp_bn_fix_boot import hook, names, settings
+from _shared import SUBPROCESS_TIMEOUT, child_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What setup.py writes into every wheel, from the names module.
@@ -39,9 +40,7 @@ import torch.nn.functional as F
 import wrapt
 from torch import nn
 
-depth, function = 0, F.batch_norm
-while isinstance(function, wrapt.FunctionWrapper):
-    depth, function = depth + 1, function.__wrapped__
+depth = len(list(wrapt.wrapper_chain(F.batch_norm))) - 1  # the wrappers above torch's function
 net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 5))
 with torch.autocast("cpu", dtype=torch.bfloat16):
     bn_out = net[1](net[0](torch.randn(8, 4)))
@@ -51,9 +50,9 @@ print(json.dumps({"wrappers": depth, "bn_out": str(bn_out.dtype), "stats": str(n
 
 def python(code, env=None, *flags, **kwargs):
     """Run ``code`` in a new interpreter with ``env`` added to this (AMP_BN_FIX-free) environment."""
-    full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, *flags, "-c", code], env=full_env, capture_output=True, text=True, timeout=120, **kwargs
+        [sys.executable, *flags, "-c", code], env=child_env(**(env or {})), capture_output=True, text=True,
+        timeout=SUBPROCESS_TIMEOUT, **kwargs
     )
 
 
@@ -138,10 +137,7 @@ missing = [n for n, v in vars(torch).items() if n not in incomplete[0] and not i
 got.update(calls=calls, finders_after=finders(), missing=missing)
 got.update(enabled=amp_bn_fix.is_enabled(), registered=hook.registered())
 got["loader"] = [type(torch.__loader__).__name__, torch.__spec__.loader is torch.__loader__]
-depth, function = 0, F.batch_norm
-while isinstance(function, wrapt.FunctionWrapper):
-    depth, function = depth + 1, function.__wrapped__
-got["wrappers"] = depth
+got["wrappers"] = len(list(wrapt.wrapper_chain(F.batch_norm))) - 1  # the wrappers above torch's function
 print(json.dumps(got))
 """
 
@@ -319,7 +315,7 @@ def test_wheels_ship_the_start_files_at_the_root_and_in_record(tmp_path, build):
         shutil.copytree(ROOT / package, project / package, ignore=ignore)
     result = subprocess.run(
         [sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.{build}({str(tmp_path / 'dist')!r}))"],
-        cwd=project, capture_output=True, text=True, timeout=300,
+        cwd=project, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     wheel = zipfile.ZipFile(tmp_path / "dist" / result.stdout.strip().splitlines()[-1])

@@ -13,7 +13,6 @@ from torch.nn.modules import batchnorm as batchnorm_module
 
 import amp_bn_fix
 from amp_bn_fix import _patch
-from _amp_bn_fix_boot.settings import Config
 
 EPS, MOMENTUM = 1e-5, 0.1
 
@@ -144,7 +143,7 @@ def test_calls_it_does_not_handle_pass_through_untouched(recorder, case):
     elif case == "policy off":
         amp_bn_fix.set_policy("off")
     elif case == "device not selected":
-        _patch.configure(_patch.current_config().replace(devices=frozenset({"cuda"})))
+        amp_bn_fix.configure(devices=["cuda"])
     elif case == "no autocast":  # all in bfloat16: the caller chose it, as F.batch_norm leaves it
         weight, bias, mean, var = (t.detach().to(torch.bfloat16) for t in (weight, bias, mean, var))
     _patch._thread.inside = case == "re-entered"
@@ -157,7 +156,7 @@ def test_calls_it_does_not_handle_pass_through_untouched(recorder, case):
     assert all(got is given for got, given in zip(call["args"], (x, weight, bias, mean, var)))
     assert out.dtype == x.dtype
     # Control: without the condition, the same call is handled.
-    _patch.configure(Config())
+    amp_bn_fix.configure(policy="fp32", devices=None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         sync_apply(x.detach().to(torch.bfloat16), weight, bias, mean, var)
     assert recorder.calls[1]["args"][0].dtype == torch.float32

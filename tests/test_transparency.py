@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 import amp_bn_fix
+from _shared import ORIGINAL
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 from torch.testing._internal.common_modules import module_db  # noqa: E402
 
-ORIGINAL = F.batch_norm.__wrapped__
 HALF = (torch.float16, torch.bfloat16)
 OPS = [op for op in op_db if op.name == "nn.functional.batch_norm"]
 MODULES = [m for m in module_db if m.module_cls.__name__ in ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d")]

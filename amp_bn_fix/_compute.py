@@ -1,0 +1,99 @@
+"""Compute: a handled call's FP32 arithmetic, on the cheapest route its device and mode allow.
+
+Device-agnostic and stateless: the runtime (``_patch``) passes in the original
+``torch.nn.functional.batch_norm`` and the :class:`~._decide.Plan`; the running statistics'
+update belongs to :mod:`._stats`.
+
+Routes, for a float16/bfloat16 input:
+
+* Output in the input's dtype (``input``, or a half model outside autocast) in plain eager mode on
+  a device whose kernel computes a 16-bit input with FP32 parameters and statistics in FP32 (CPU
+  for contiguous and channels_last inputs, CUDA's native and cuDNN kernels): the input goes
+  straight to torch's kernel, with no copy.
+* FP32 output in training on CPU, large inputs (:mod:`._kernels`): statistics reduced from the
+  16-bit input, no FP32 copy of it kept.
+* Otherwise the reference: ``original(input.float(), ...)`` with FP32 parameters and statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from . import _kernels, _stats, _tuning
+from ._compat import autocast_disabled, autocast_excluded, plain_eager, to_copy
+from ._decide import BatchNormCall, Plan
+from ._stats import to_fp32
+
+# Device types whose batch-norm kernels accept a 16-bit input with FP32 parameters and running
+# stats and compute in FP32 (CPU: ``batch_norm_cpu`` mixed type; CUDA: native and cuDNN kernels).
+_MIXED_KERNEL_DEVICES = frozenset({"cpu", "cuda"})
+
+Original = Callable[..., torch.Tensor]
+
+
+def batch_norm(original: Original, call: BatchNormCall, plan: Plan) -> torch.Tensor:
+    """Compute ``call`` with FP32 statistics, normalization and running-stat update, as ``plan`` says.
+
+    The result is ``plan.out_dtype``. With ``plan.guard``, a training step whose statistics are not
+    finite leaves the running stats untouched (the output still carries the inf/NaN, so GradScaler
+    sees it).
+    """
+    input, running_mean, running_var, weight, bias, training, momentum, eps = call
+    # Only in plain eager mode may a route use what tracers would not record faithfully (a
+    # ``.data`` write, a Python autograd.Function, a backward hook, scratch tensors).
+    eager = plain_eager(input, running_mean, running_var, weight, bias)
+    host = eager and _tuning.host_route(input)
+    weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
+    out_dtype = plan.out_dtype
+    layout = _mixed_kernel_layout(input) if eager and out_dtype is input.dtype else None
+
+    def kernel(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
+        if layout is not None:
+            if input.is_cpu:
+                return _kernels.mixed_batch_norm(original, layout, input, mean, var, weight, bias, training, momentum, eps)
+            return original(input, mean, var, weight, bias, training, momentum, eps)
+        if host and _tuning.fast_paths and _kernels.fp32_train_eligible(input, mean, var, weight, bias, training, momentum, eps):
+            return _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
+        return original(to_copy(input, torch.float32, eager), mean, var, weight, bias, training, momentum, eps)
+
+    # Nothing inside is recast half-way (and a kernel registered at autocast's key is not re-entered).
+    device_type = input.device.type
+    with autocast_excluded(device_type) if eager else autocast_disabled(device_type):
+        if plan.master and eager:
+            out = _stats.updating_master(running_mean, running_var, bool(training), plan.guard, host, kernel)
+        else:
+            out = _stats.updating(running_mean, running_var, bool(training), plan.guard, eager, host, kernel)
+    return out if out.dtype is out_dtype else out.to(out_dtype)
+
+
+def _mixed_kernel_layout(input: torch.Tensor) -> Optional[torch.memory_format]:
+    """The layout in which torch's kernel for ``input``'s device computes it exactly in FP32, if any."""
+    if input.is_cpu:
+        return _kernels.mixed_kernel_layout(input)
+    return torch.preserve_format if input.device.type in _MIXED_KERNEL_DEVICES else None
+
+
+def recorded_region_batch_norm(
+    original: Original, call: BatchNormCall, policy: str, region_dtype: torch.dtype, guard: bool
+) -> torch.Tensor:
+    """Record ``call`` as the policy computes it when the recorded autocast region runs.
+
+    Strict ``torch.export`` traces the body of an autocast block without autocast (see
+    :func:`~amp_bn_fix._compat.recorded_autocast_dtype`): the input it sees has no telling dtype,
+    so the graph gets the casts that give the policy's result whatever the input's dtype when it
+    runs. ``fp32``: the input cast to FP32, an FP32 batch norm. ``autocast``: the same, its output
+    cast to ``region_dtype``. ``input``: the input as it comes, with FP32 weight, bias and
+    statistics, which torch's mixed-dtype kernels compute in FP32 and return in the input's dtype.
+    Running stats as in every traced call: FP32 working copies, guarded, written back in place.
+    """
+    input, running_mean, running_var, weight, bias, training, momentum, eps = call
+    x = input if policy == "input" else to_copy(input, torch.float32)
+    weight, bias = to_fp32(weight), to_fp32(bias)
+
+    def kernel(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
+        return original(x, mean, var, weight, bias, training, momentum, eps)
+
+    out = _stats.updating(running_mean, running_var, bool(training), guard, False, False, kernel)
+    return to_copy(out, region_dtype) if policy == "autocast" else out

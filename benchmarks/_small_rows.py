@@ -1,0 +1,148 @@
+"""The small-call regime: a tiny BatchNorm, a tiny conv-net step and the ATen ops of one call.
+
+Here the shim's fixed cost per call is most of the call: a bf16 ``BatchNorm2d(16)`` on a
+(4,16,4,4) input takes tens of microseconds natively. Each row compares the shim (its default
+settings, guard on, with the policy named) against ``amp_bn_fix.disable()``, interleaved in one
+process. Every row also has a device-path variant (``-device-path``): CPU calls take exactly the
+path a CUDA call takes (``amp_bn_fix._tuning.emulate_device``), skipped where that switch is absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, Iterator, List
+
+import torch
+from torch import nn
+
+import amp_bn_fix
+from _harness import OFF, ON, Bench, Skip, device_path, settings, shim
+from _models import count_bn, grads_like, half_input, tiny_convnet, train_step
+from _ops import profiled_ops
+
+TINY_SHAPE = (4, 16, 4, 4)
+POLICIES = ("fp32", "input", "autocast")
+# The project's targets, printed next to the figures and never asserted.
+TARGETS = {"train": "<= 1.6", "fwdbwd": "<= 1.4", "eval": "<= 1.6", "step": "<= 1.10"}
+
+
+def ops_target(kind: str, policy: str) -> str:
+    if kind == "train":
+        return "extra <= 5"
+    return "extra <= 1" if policy == "fp32" else "extra <= 0"
+
+
+@contextlib.contextmanager
+def path(b: Bench, emulate: bool) -> Iterator[None]:
+    """The host path, or with ``emulate`` the device path, for the body."""
+    if not emulate:
+        yield
+        return
+    if b.device != "cpu":
+        raise Skip("on a device the shim takes the device path anyway: see the row without -device-path")
+    with device_path():
+        yield
+
+
+def _label(emulate: bool) -> str:
+    return "device path" if emulate else "host path"
+
+
+def tiny(kind: str, emulate: bool = False) -> Callable[[Bench], None]:
+    """``kind``: ``train`` (training forward), ``fwdbwd`` (training forward+backward), ``eval`` (eval forward)."""
+
+    def run(b: Bench) -> None:
+        dtype = torch.bfloat16
+        bn = nn.BatchNorm2d(TINY_SHAPE[1]).to(b.device).train(kind != "eval")
+        x = half_input(TINY_SHAPE, dtype, b.device)
+        if kind == "eval":
+            x = x.detach()
+        grads = grads_like(x)
+        calls = (10 if kind == "fwdbwd" else 20) if b.quick else (100 if kind == "fwdbwd" else 200)
+        if kind == "fwdbwd":
+            # Autocast per call, the backward outside it, as a training loop does.
+            def call() -> None:
+                with torch.autocast(b.device, dtype=dtype):
+                    y = bn(x)
+                y.backward(grads[y.dtype])
+                x.grad = bn.weight.grad = bn.bias.grad = None
+        else:
+            def call() -> None:
+                bn(x)
+
+        @contextlib.contextmanager
+        def region() -> Iterator[None]:
+            """One autocast region around all the forward-only calls, as around a model's forward."""
+            if kind == "fwdbwd":
+                yield
+                return
+            with torch.autocast(b.device, dtype=dtype), torch.set_grad_enabled(kind == "train"):
+                yield
+
+        what = {"train": "training forward", "fwdbwd": "training forward+backward", "eval": "eval forward (no_grad)"}[kind]
+        print(f"[{b.current}] bf16 BatchNorm2d(16) {TINY_SHAPE}, {what}, {_label(emulate)}: "
+              "shim (default settings, the policy named) vs disable(); per call")
+        for policy in POLICIES:
+            with path(b, emulate), settings(policy=policy, guard=True), region():
+                t = b.compare(call, call, 21, calls, ON, OFF)
+            b.add("tiny", f"{what}, {policy}" + (", device path" if emulate else ""), "shim", "off", t,
+                  note=f"{t.a_us - t.b_us:+.1f} us per call", target=TARGETS[kind])
+
+    return run
+
+
+def convnet_step(emulate: bool = False) -> Callable[[Bench], None]:
+    def run(b: Bench) -> None:
+        batch, size = (4, 16) if b.quick else (16, 32)
+        torch.manual_seed(0)
+        model = tiny_convnet().to(b.device)
+        x = torch.randn(batch, 3, size, size, device=b.device)
+        y = torch.randint(0, 10, (batch,), device=b.device)
+        step = train_step(model, x, y, b.device)
+        label = f"conv-net SGD step ({batch},3,{size},{size}), {count_bn(model)} BN"
+        print(f"[{b.current}] {label}, bf16 autocast, {_label(emulate)}: shim (default settings) vs disable()")
+        calls = 1 if b.device == "cpu" else 5
+        for policy in ("fp32", "input"):
+            with path(b, emulate), settings(policy=policy, guard=True):
+                t = b.compare(step, step, 15, calls, ON, OFF)
+            b.add("convnet", f"{label}, {policy}" + (", device path" if emulate else ""), "shim", "off", t,
+                  note=f"{t.a_us - t.b_us:+.1f} us per step", target=TARGETS["step"] if policy == "fp32" else "")
+
+    return run
+
+
+def _handled() -> int:
+    return sum(amp_bn_fix.report()["handled"].values())
+
+
+def aten_ops(emulate: bool = False) -> Callable[[Bench], None]:
+    def run(b: Bench) -> None:
+        dtype = torch.bfloat16
+        bn = nn.BatchNorm2d(TINY_SHAPE[1]).to(b.device)
+        x = half_input(TINY_SHAPE, dtype, b.device)
+        print(f"[{b.current}] top-level ATen ops of one bf16 BatchNorm2d(16) {TINY_SHAPE} call under autocast, "
+              f"{_label(emulate)}, shim vs disable(); view and metadata ops left out")
+        for kind in ("train", "eval"):
+            bn.train(kind == "train")
+
+            def call() -> None:
+                with torch.autocast(b.device, dtype=dtype), torch.set_grad_enabled(kind == "train"):
+                    bn(x)
+
+            for policy in POLICIES:
+                counted: Dict[bool, List[str]] = {}
+                with path(b, emulate), settings(policy=policy, guard=True):
+                    for enabled in (True, False):
+                        with shim(enabled):
+                            call()  # lazy initialisation is not part of a call
+                            before = _handled()
+                            counted[enabled] = profiled_ops(call)
+                            if enabled:
+                                handled = _handled() - before
+                note = "handled by the shim" if handled == 1 else f"NOT handled ({handled} calls counted)"
+                b.add_figure("aten-ops", f"{kind} fwd, {policy}" + (", device path" if emulate else ""),
+                             "shim", "off", len(counted[True]), len(counted[False]), "ops", note=note,
+                             target=ops_target(kind, policy), shim_ops=counted[True], off_ops=counted[False])
+                print(f"      shim: {' '.join(counted[True])}\n      off:  {' '.join(counted[False])}")
+
+    return run

@@ -1,0 +1,282 @@
+"""A half model stays a half model: what a program can observe is what plain torch shows.
+
+With ``keep_fp32="master"`` (the default) a model cast to 16 bits keeps exactly the dtypes asked
+for, and the running statistics' FP32 accuracy lives in a master the shim keeps (``_master``). The
+inspections programs make of a model (dtypes, flat parameter vectors, state dicts, pickles,
+TorchScript, the conv-BN fusers) are run on a model cast with the shim and on the same model cast
+by plain torch, for every keep mode: ``master`` and ``none`` must match plain torch, ``all`` and
+``stats`` keep FP32 tensors in the model by design (their trade-off is in docs/configuration.md).
+"""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_bn_fix
+from _bounds import assert_near
+from _shared import ORIGINAL
+from amp_bn_fix import _master, _patch
+
+HALF = [torch.float16, torch.bfloat16]
+CASTS = {
+    "half": lambda m, dtype: m.half() if dtype is torch.float16 else m.bfloat16(),
+    "to-dtype": lambda m, dtype: m.to(dtype),
+    "to-device-dtype": lambda m, dtype: m.to("cpu", dtype),
+    "_apply": lambda m, dtype: m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t),
+}
+KEEPS = ["master", "none", "all", "stats"]
+
+
+def conv_bn() -> nn.Sequential:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 4))
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-1, 1)
+        net[1].running_var.uniform_(0.5, 2)
+    return net
+
+
+def linear_bn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.BatchNorm1d(20), nn.Linear(20, 20), nn.ReLU(), nn.Linear(20, 2))
+
+
+def cast(make, keep, how, dtype, shim=True):
+    if not shim:
+        with _patch.uninstalled():
+            return CASTS[how](make(), dtype)
+    amp_bn_fix.configure(keep_fp32=keep)
+    return CASTS[how](make(), dtype)
+
+
+def dtypes(model):
+    return [(name, t.dtype) for name, t in list(model.named_parameters()) + list(model.named_buffers())]
+
+
+def like_plain(keep):
+    return keep in ("master", "none")
+
+
+@pytest.mark.parametrize("how", list(CASTS))
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("keep", KEEPS)
+def test_dtypes_are_plain_torch_s(keep, how, dtype):
+    ours, plain = cast(conv_bn, keep, how, dtype), cast(conv_bn, keep, how, dtype, shim=False)
+    assert (dtypes(ours) == dtypes(plain)) is like_plain(keep)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("keep", KEEPS)
+def test_the_first_parameters_dtype_idiom(keep, dtype):
+    # dtype = next(model.parameters()).dtype, then x.to(dtype): works on plain torch.
+    model = cast(linear_bn, keep, "half", dtype)
+    x = torch.randn(8, 20).to(next(model.parameters()).dtype)
+    if keep != "all":  # FP32 running stats alone leave parameters() as plain torch's
+        assert model(x).dtype is dtype
+    else:
+        with pytest.raises(RuntimeError, match="dtype|type"):
+            model(x)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("keep", KEEPS)
+def test_a_flat_parameter_vector_round_trip(keep, dtype):
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    model = cast(conv_bn, keep, "half", dtype)
+    before = dtypes(model)
+    vector_to_parameters(parameters_to_vector(model.parameters()), model.parameters())
+    if keep != "all":
+        assert dtypes(model) == before
+        assert model.eval()(torch.randn(2, 3, 8, 8).to(dtype)).dtype is dtype
+    else:
+        assert dtypes(model) != before  # every parameter became float32
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("keep", ["master", "none"])
+@pytest.mark.parametrize("program", ["state-dict", "pickle", "torchscript", "disable"])
+def test_programs_that_take_the_model_elsewhere(keep, dtype, program):
+    model = cast(conv_bn, keep, "half", dtype).eval()
+    plain = cast(conv_bn, keep, "half", dtype, shim=False).eval()
+    x = torch.randn(2, 3, 8, 8).to(dtype)
+    if program == "state-dict":
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        assert [(k, v.dtype) for k, v in state.items()] == [(k, v.dtype) for k, v in plain.state_dict().items()]
+        with _patch.uninstalled():
+            target = CASTS["half"](conv_bn(), dtype)
+            target.load_state_dict(state, strict=True)
+            out = target.eval()(x)
+    elif program == "pickle":
+        data = pickle.dumps(model)
+        with _patch.uninstalled():
+            out = pickle.loads(data)(x)
+    elif program == "torchscript":
+        out = torch.jit.script(model)(x)
+    else:
+        with _patch.uninstalled():
+            out = model(x)
+    with _patch.uninstalled():
+        expected = plain(x)
+    assert out.dtype is expected.dtype is dtype
+    torch.testing.assert_close(out, expected)
+
+
+FUSERS = ["fuse_conv_bn_eval", "fuse_linear_bn_eval", "fx-fuse", "ao-fuse_modules"]
+
+
+def _fuse(fuser, dtype):
+    torch.manual_seed(0)
+    if fuser == "fuse_linear_bn_eval":
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8))
+        x = torch.randn(4, 6)
+    else:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+        x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    model = model.eval().to(dtype)
+    return model, x.to(dtype)
+
+
+def _fused(fuser, model):
+    if fuser == "fuse_conv_bn_eval":
+        return torch.nn.utils.fusion.fuse_conv_bn_eval(model[0], model[1])
+    if fuser == "fuse_linear_bn_eval":
+        return torch.nn.utils.fusion.fuse_linear_bn_eval(model[0], model[1])
+    if fuser == "fx-fuse":
+        from torch.fx.experimental.optimization import fuse
+
+        return fuse(model)
+    from torch.ao.quantization import fuse_modules
+
+    return fuse_modules(model, [["0", "1"]])
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("fuser", FUSERS)
+def test_conv_bn_fusers_work_as_on_plain_torch(fuser, dtype):
+    # RepVGG-style reparameterization and inference fusers fold BatchNorm into its neighbour.
+    model, x = _fuse(fuser, dtype)
+    with _patch.uninstalled():
+        plain, _ = _fuse(fuser, dtype)
+        expected = _fused(fuser, plain)(x)
+    out = _fused(fuser, model)(x)
+    assert out.dtype is expected.dtype is dtype
+    torch.testing.assert_close(out, expected)
+
+
+def _train(model, steps, dtype, autocast):
+    """``steps`` training calls; the inputs the BatchNorm saw, for a float64 replay."""
+    seen = []
+    handle = model[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    try:
+        for step in range(steps):
+            x = (torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(step)) * 0.05 + 2).to(dtype)
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                model(x)
+    finally:
+        handle.remove()
+    return seen
+
+
+def _replay(bn_inputs, dtype):
+    """The running stats in float64 after the same training calls, from the same starting stats."""
+    start = cast(conv_bn, "none", "half", dtype, shim=False)[1]
+    mean, var = start.running_mean.double(), start.running_var.double()
+    with _patch.uninstalled():
+        for x in bn_inputs:
+            F.batch_norm(x.double(), mean, var, None, None, True, 0.1, 1e-5)
+    return mean, var
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "no-autocast"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_master_keeps_the_running_stats_fp32_accurate(both_routes, dtype, autocast):
+    # Small updates (a tenth of a shift of ~1e-3 a step) that 16-bit stats lose, over 200 steps.
+    steps = 200
+    model = cast(conv_bn, "master", "half", dtype)
+    seen = _train(model, steps, dtype, autocast)
+    bn = model[1]
+    master = _master.peek(bn.running_mean, bn.running_var)
+    assert master is not None and master.dtype is torch.float32
+    mean64, var64 = _replay(seen, dtype)  # torch alone (disable() drops the masters: peeked first)
+    # FP32 accuracy: each update adds a batch statistic's error (n values) and two roundings, and
+    # the momentum forgets the old ones: about ten updates' worth at any time.
+    n = 16 * 64
+    assert_near(master[0], mean64, n, ops=30, scale=mean64.abs().max().item() + 1, what="mean")
+    assert_near(master[1], var64, n, ops=30, scale=var64.abs().max().item(), what="var")
+    assert torch.equal(bn.running_mean, master[0].to(dtype)) and torch.equal(bn.running_var, master[1].to(dtype))
+    # The setting exists for this: 16-bit stats updated in 16 bits (plain torch) drift further.
+    with _patch.uninstalled():
+        plain = CASTS["half"](conv_bn(), dtype)
+        plain_mean64, plain_var64 = _replay(_train(plain, steps, dtype, autocast), dtype)
+    ours = (master[1].double() - var64).abs().max()
+    theirs = (plain[1].running_var.double() - plain_var64).abs().max()
+    assert ours < theirs / 10
+
+
+def test_master_follows_casts_and_is_dropped_when_the_buffers_change():
+    model = cast(conv_bn, "master", "half", torch.bfloat16)
+    bn = model[1]
+    _train(model, 3, torch.bfloat16, True)
+    master = _master.peek(bn.running_mean, bn.running_var).clone()
+    # Cast between 16-bit dtypes and back to FP32: the master's values, not the rounded ones.
+    model.half()
+    assert torch.equal(_master.peek(bn.running_mean, bn.running_var), master)
+    model.float()
+    assert torch.equal(bn.running_mean, master[0]) and torch.equal(bn.running_var, master[1])
+    model.bfloat16()
+    assert torch.equal(_master.peek(bn.running_mean, bn.running_var), master)
+    # Changed from outside: load_state_dict (an in-place copy) drops it; the next call starts anew.
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["1.running_mean"] += 1
+    model.load_state_dict(state)
+    assert _master.peek(bn.running_mean, bn.running_var) is None
+    _train(model, 1, torch.bfloat16, True)
+    assert _master.peek(bn.running_mean, bn.running_var) is not None
+    # Updated by torch (the policy off): dropped, not silently overwritten later.
+    with amp_bn_fix.policy("off"):
+        _train(model, 1, torch.bfloat16, True)
+    assert _master.peek(bn.running_mean, bn.running_var) is None
+    # disable() drops every master: torch owns the buffers from then on.
+    _train(model, 1, torch.bfloat16, True)
+    with _patch.uninstalled():
+        assert _master.peek(bn.running_mean, bn.running_var) is None
+
+
+def test_a_deep_copy_starts_its_own_master_from_its_buffers():
+    model = cast(conv_bn, "master", "half", torch.bfloat16)
+    _train(model, 2, torch.bfloat16, True)
+    twin = copy.deepcopy(model)
+    assert _master.peek(twin[1].running_mean, twin[1].running_var) is None
+    _train(twin, 1, torch.bfloat16, True)
+    assert _master.peek(twin[1].running_mean, twin[1].running_var) is not None
+    assert _master.peek(model[1].running_mean, model[1].running_var) is not None
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_eval_of_a_half_model_reads_the_master(keep):
+    # Eval calls the shim computes use the FP32 master, not the rounded buffers.
+    model = cast(conv_bn, keep, "half", torch.bfloat16)
+    _train(model, 20, torch.bfloat16, True)
+    model.eval()
+    bn = model[1]
+    x = torch.randn(4, 8, 8, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bn(x)
+    if keep == "master":
+        master = _master.peek(bn.running_mean, bn.running_var)
+        expected = ORIGINAL(x.double(), master[0].double(), master[1].double(),
+                            bn.weight.double(), bn.bias.double(), False, 0.1, bn.eps)
+        assert_near(out, expected, 4 * 8 * 8)
+    assert out.dtype is torch.float32
