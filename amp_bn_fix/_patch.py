@@ -139,6 +139,21 @@ def _passes(input: Any) -> bool:
     return dtype is not _F16 and dtype is not _BF16 and (dtype is not _F32 or not _function_mode_enabled())
 
 
+def _bound(bind: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The 16-bit call's arguments by name, or None when the wrapper passes it to torch as it is.
+
+    None when re-entered from inside a handled call, for a reference kept after ``disable()``, and
+    for a malformed call, which then gets torch's own error.
+    """
+    if _thread.inside or not _handles:
+        return None
+    try:
+        return bind(*args, **kwargs)
+    except TypeError:
+        _counts.passed += 1
+        return None
+
+
 def _policy_for(device_type: str, config: Config) -> str:
     """The policy for one call on ``device_type``: ``off`` for a type the settings leave out."""
     if config.devices is not None and device_type not in config.devices:
@@ -152,14 +167,9 @@ def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, arg
     if _passes(input):
         _counts.passed += 1
         return wrapped(*args, **kwargs)
-    # Re-entered from inside a handled call, or a reference kept after disable().
-    if _thread.inside or not _handles:
+    call = _bound(_decide.bind, args, kwargs)
+    if call is None:
         return wrapped(*args, **kwargs)
-    try:
-        call = _decide.bind(*args, **kwargs)
-    except TypeError:
-        _counts.passed += 1
-        return wrapped(*args, **kwargs)  # raises torch's own error for a malformed call
     config = _config
     device_type = input.device.type
     policy = _policy_for(device_type, config)
@@ -183,12 +193,8 @@ def _sync_batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any
     if _passes(input):
         _counts.passed += 1
         return wrapped(*args, **kwargs)
-    if _thread.inside or not _handles:
-        return wrapped(*args, **kwargs)
-    try:
-        call = _sync.bind(*args, **kwargs)
-    except TypeError:
-        _counts.passed += 1
+    call = _bound(_sync.bind, args, kwargs)
+    if call is None:
         return wrapped(*args, **kwargs)
     config = _config
     policy = _policy_for(input.device.type, config)

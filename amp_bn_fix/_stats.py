@@ -9,8 +9,11 @@ running stats (:func:`updating`); what reaches the caller's tensors, and when, i
   whether to restore a snapshot; on the device route (CUDA, or CPU told to act like it) nothing
   is read on the host: the kernel updates a stacked FP32 copy, one reduction decides on the
   device and two selects write it back.
-* Anywhere else (16-bit stats, tracers, ``torch.func`` transforms) FP32 copies are written back
-  with ordinary in-place ops, which every tracer records as buffer updates.
+* 16-bit stats with an FP32 master (``keep_fp32="master"``, plain eager mode,
+  :func:`updating_master`): the master takes the update, guarded the same way, and is rounded
+  into the 16-bit buffers.
+* Anywhere else (other 16-bit stats, tracers, ``torch.func`` transforms) FP32 copies are written
+  back with ordinary in-place ops, which every tracer records as buffer updates.
 
 The write-back runs even when the kernel raises after updating the working statistics: activation
 checkpointing's early stop (non-reentrant) raises out of the recomputed kernel once the tensors it

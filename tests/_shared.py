@@ -5,13 +5,14 @@
 ``child_env`` is the environment for a child process: this process's, from which conftest removed
 every ``AMP_BN_FIX*`` setting at import, plus the settings a test gives it.
 ``compare_outcomes`` checks that the shim treats a call as the original does: the same error, or
-both return and the results agree.
+both return and the results agree. ``record_inputs`` and ``assert_stats_replayed`` check running
+stats against a float64 replay of the calls a BatchNorm module received.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +38,6 @@ def outcome(fn: Callable[..., torch.Tensor], args: Sequence[Any], kwargs: Option
 
     ``dtype`` casts every floating tensor (a float64 reference); ``input_dtype`` the input alone.
     """
-    kwargs = dict(kwargs or {})
-
     def copy(index: int, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
@@ -46,10 +45,10 @@ def outcome(fn: Callable[..., torch.Tensor], args: Sequence[Any], kwargs: Option
         return value.to(target or value.dtype, copy=True)
 
     args = [copy(i, a) for i, a in enumerate(args)]
-    kwargs.update((k, copy(0 if k == "input" else 1, v)) for k, v in kwargs.items())
+    kwargs = {k: copy(0 if k == "input" else 1, v) for k, v in (kwargs or {}).items()}
     try:
         out = fn(*args, **kwargs)
-    except Exception as error:  # noqa: BLE001 - the error is what is compared
+    except Exception as error:  # the error is what is compared
         return error
     stats = [args[i] if len(args) > i else kwargs.get(name) for i, name in ((1, "running_mean"), (2, "running_var"))]
     return (out, *stats)
@@ -76,3 +75,23 @@ def compare_outcomes(ours: Any, theirs: Any, reference: Callable[[], Any], n: in
         assert a.shape == b.shape == exact.shape, what
         finite = assert_same_non_finite(a, b, what)
         assert_near(a[finite], exact[finite], n, what=what)
+
+
+def record_inputs(module: torch.nn.Module) -> List[torch.Tensor]:
+    """The input of every call of ``module`` from now on (recomputes too), as detached copies."""
+    inputs: List[torch.Tensor] = []
+    module.register_forward_pre_hook(lambda _, args: inputs.append(args[0].detach().clone()))
+    return inputs
+
+
+def assert_stats_replayed(stats: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], momentum: float = 0.1,
+                          eps: float = 1e-5) -> None:
+    """``stats`` (running mean and var, from zeros and ones) are a training call's update on each of
+    ``inputs``, and only those, computed in float64 (FP32 accuracy)."""
+    channels = stats[0].shape[0]
+    mean, var = torch.zeros(channels, dtype=torch.float64), torch.ones(channels, dtype=torch.float64)
+    for x in inputs:
+        ORIGINAL(x.double(), mean, var, None, None, True, momentum, eps)
+    n = inputs[0].numel() // channels if inputs else 1
+    assert_near(stats[0], mean, n, what="running mean")
+    assert_near(stats[1], var, n, what="running var")

@@ -20,11 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _bounds import fp32_bound
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| relative to the largest |want| (inf when not finite)."""
-    diff = (got.detach().double() - want).abs().max().item()
-    return diff / max(want.abs().max().item(), 1e-30) if math.isfinite(diff) else math.inf
+
+def excess(got: torch.Tensor, want: torch.Tensor, n: int) -> float:
+    """How far ``got`` is from the float64 ``want`` beyond ``_bounds.fp32_bound`` for sums of ``n``
+    terms: <= 0 within it, inf when not finite."""
+    err = (got.detach().double() - want).abs()
+    if not err.numel():
+        return 0.0
+    return (err - fp32_bound(want, n, got.dtype)).max().item() if torch.isfinite(err).all() else math.inf
 
 
 def bn_modules(model: nn.Module) -> List[nn.Module]:
@@ -37,7 +42,8 @@ class Watch:
     The pre-hook keeps the running stats before the call; the forward hook recomputes the call
     with ``F.batch_norm`` on float64 copies of the input BatchNorm received, its weight, bias and
     those stats (float64 calls pass through the shim untouched), and compares the module's output
-    and its updated running stats with the result. Registered after a wrapper (FSDP, DDP) is
+    and its updated running stats with the result (``excess``: <= 0 at FP32 accuracy, the output
+    rounded once to its dtype). Registered after a wrapper (FSDP, DDP) is
     built, the hooks run after the wrapper's own and see what the module really returns.
     """
 
@@ -70,6 +76,7 @@ class Watch:
         with torch.autocast(x.device.type, enabled=False):
             ref = F.batch_norm(x.double(), mean64, var64, weight, bias, m.training, m.momentum, m.eps)
         mean, var = self._computed(m)
+        n = x.numel() // x.shape[1]
         self.calls.append(
             {
                 "module": type(m).__name__,
@@ -77,8 +84,8 @@ class Watch:
                 "weight": str(m.weight.dtype) if m.weight is not None else None,
                 "stats": str(m.running_mean.dtype),
                 "out": str(out.dtype),
-                "out_err": rel_err(out, ref),
-                "stats_err": max(rel_err(mean, mean64), rel_err(var, var64)),
+                "out_excess": excess(out, ref, n),
+                "stats_excess": max(excess(mean, mean64, n), excess(var, var64, n)),
                 "autocast": torch.is_autocast_enabled(x.device.type),
                 "training": m.training,
             }

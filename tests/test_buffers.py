@@ -16,6 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import amp_bn_fix
 from _amp_bn_fix_boot import settings
+from _bounds import assert_near
 from _shared import SUBPROCESS_TIMEOUT, child_env
 from amp_bn_fix import _patch
 
@@ -338,7 +339,9 @@ def test_half_model_running_stats_track_fp64_far_better_than_torch():
     print(f"\nmax relative error of running stats vs fp64 after 300 steps: "
           f"shim (FP32 stats) {shim_error:.2e}, torch all-half {torch_error:.2e}, "
           f"ratio {torch_error / shim_error:.0f}x")
-    assert shim_error < 1e-5
+    # Each update is an FP32 computation over a batch of 64, and earlier updates' errors decay with
+    # the momentum: each channel's stats within the FP32 bound of their own magnitude.
+    assert_near(shimmed, reference, 64, scale=reference.abs(), what="running stats")
     assert torch_error > 100 * shim_error
 
 
@@ -375,7 +378,7 @@ def test_state_dicts_load_either_way(saved_by, loaded_by, keep, assign):
         expected_dtype = tensor.dtype if assign else dtypes[name]
         assert loaded[name].dtype is expected_dtype, name
         # Every value arrives: exactly where the dtype stays, rounded once where it narrows.
-        torch.testing.assert_close(loaded[name].to(tensor.dtype), tensor, rtol=torch.finfo(BF16).eps, atol=0)
+        assert torch.equal(loaded[name], tensor.to(loaded[name].dtype)), name
     x = torch.randn(4, 3, 8, 8, dtype=BF16)
     with _patch.uninstalled() if loaded_by == "plain" else _patch.installed():
         if loaded_by == "plain" and assign and saved_by == "shim" and keep == "stats":

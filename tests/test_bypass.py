@@ -14,7 +14,7 @@ reject, so a model cast that way raises torch's own error wherever the shim cann
 
 import io
 import itertools
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import pytest
 import torch
@@ -169,7 +169,8 @@ def assert_plain(result: Run, expected: Run) -> None:
     roundings[stats16] = roundings.get(stats16, 0) + 16
     bound = rounding_bound(expected.out.abs().max().item() + 1, roundings, n, sums=8)
     assert_within(result.out, expected.out, bound, what="output")
-    stats_bound = rounding_bound(expected.var.abs().max().item() + 1, {expected.mean.dtype: 8}) + rounding_bound(1, n=n, sums=8)
+    stats_bound = (rounding_bound(expected.var.abs().max().item() + 1, {expected.mean.dtype: 8})
+                   + rounding_bound(1, n=n, sums=8))
     for ours, theirs in ((result.mean, expected.mean), (result.var, expected.var)):
         assert_within(ours, theirs, stats_bound, what="running stat")
 

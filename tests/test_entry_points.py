@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_bn_fix
-from _bounds import assert_near
+from _bounds import assert_near, batch_norm_scales
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT
 from amp_bn_fix import _compat, _dispatch, _patch, _record
 
@@ -354,8 +354,18 @@ def test_gradients_flow_through_the_dispatcher_door():
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     norm64 = nn.InstanceNorm2d(C, affine=True, track_running_stats=True).double()
     (torch.batch_norm(x64, w64, None, None, None, True, MOMENTUM, EPS, False) + norm64(x64)).square().sum().backward()
-    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-2, atol=2e-2)
+    # Errors relative to the magnitudes the backward sums (the loss's gradient, 2 * out, cancels in
+    # part); the instance norm is a batch norm of each sample's channels.
+    g = 2 * out.detach()
+    _, bn_input, bn_params = batch_norm_scales(x, w, g, EPS)
+
+    def per_sample(t):
+        return t.reshape(1, -1, *t.shape[2:])
+
+    _, in_input, _ = batch_norm_scales(per_sample(x), norm.weight.repeat(x.shape[0]), per_sample(g), EPS)
+    n = x.numel() // C
+    assert_near(w.grad, w64.grad, n, scale=bn_params, what="weight gradient")
+    assert_near(x.grad, x64.grad, n, scale=bn_input + in_input, what="input gradient")
 
 
 # --- InstanceNorm: updates land in the module's buffers, in FP32, guarded ------------------------
@@ -379,9 +389,13 @@ def test_instance_norm_updates_the_module_buffers_in_fp32_where_torch_rounds_the
     n = x[0, 0].numel()
     assert_near(results[True][0], mean64, n, what="running mean")
     assert_near(results[True][1], var64, n, what="running var")
-    # plain torch misses the same bound by far (the bfloat16 rounding of each copy's update)
-    with pytest.raises(AssertionError):
+    # Plain torch misses the same bound by far where it rounds each copy's update to bfloat16
+    # (torch 2.13 does; torch 2.4 updates the copies in the stats' own dtype).
+    try:
         assert_near(results[False][1], var64, n, what="torch's running var")
+    except AssertionError:
+        return
+    pytest.skip("this torch updates instance_norm's stat copies in FP32: no rounding to compare with")
 
 
 @pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
@@ -478,6 +492,10 @@ def test_the_kernels_sit_at_the_cpu_cuda_xpu_autocast_keys_never_at_mps():
         assert python_kernel_at(key) and python_kernel_at(key, "instance_norm")
     # torch's own FP32 batch_norm kernel at AutocastMPS stays; instance_norm reaches it there
     assert "AutocastMPS" not in _dispatch.KEYS
+    try:
+        kernel_at("AutocastMPS")
+    except RuntimeError:  # torch 2.4's dispatcher does not know the key by name
+        pytest.skip("this torch has no AutocastMPS dispatch key")
     assert kernel_at("AutocastMPS") and not python_kernel_at("AutocastMPS")
     assert not kernel_at("AutocastMPS", "instance_norm")
 
@@ -542,6 +560,9 @@ def test_the_registration_survives_garbage_collection():
 
 
 def test_the_compile_cache_tag_names_the_registration():
+    config = pytest.importorskip("torch.compiler.config")
+    if not hasattr(config, "cache_key_tag"):
+        pytest.skip("this torch has no compile cache key tag (torch < 2.6)")
     tag = torch.compiler.config.cache_key_tag
     assert tag.endswith(",dispatch=cpu+cuda+xpu")
     amp_bn_fix.disable()
