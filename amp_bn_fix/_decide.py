@@ -77,6 +77,8 @@ def plan(call: BatchNormCall, policy: str, guard: bool, keep: str,
     if policy == "off":
         return Plan(dtype, False, "input") if _left_by_keep_stats(call, dtype) else None
     master = keep == "master" and _has_16_bit_stats(call)
+    # A meta tensor has no values for the guard to judge (and none for report() to read).
+    guard = guard and not input.is_meta
     device_type = input.device.type
     if autocast_enabled(device_type):
         if policy == "fp32":
