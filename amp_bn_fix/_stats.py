@@ -97,16 +97,12 @@ def updating_master(
             return kernel(mean, var)
         finally:
             _master.commit(running_mean, running_var, master)
-    if host:  # as in _guarded_on_host: the kernel updates the master, a snapshot undoes it
-        before = master.clone()
+    if host:
         try:
-            return kernel(mean, var)
+            return _guarded_on_host(mean, var, kernel, running_mean)
         finally:
-            if math.isfinite(_dot(mean, var).item()) or bool(torch.isfinite(master).all()):
-                _master.commit(running_mean, running_var, master)
-            else:
-                master.data.copy_(before)  # .data: an eval call may have saved the master for backward
-                _record.skipped(running_mean)
+            # After a skip the master is as it was, and so are the buffers rounded from it.
+            _master.commit(running_mean, running_var, master)
     work = master.clone()  # as in _guarded_on_device, one select for both stats
     work_mean, work_var = work.unbind()
     try:
@@ -134,22 +130,25 @@ def _stackable(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
 
 # The guarded routes need no ``torch.no_grad()`` (a microsecond a call): nothing they touch
 # requires grad (``_decide`` leaves stats that do to torch).
-def _guarded_on_host(running_mean: torch.Tensor, running_var: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-    """The kernel updates the caller's stats itself, as torch's do; a non-finite update is undone.
+def _guarded_on_host(mean: torch.Tensor, var: torch.Tensor, kernel: Kernel,
+                     counted_for: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The kernel updates ``mean`` and ``var`` itself, as torch's do; a non-finite update is undone.
 
     Three ops on the common path: the snapshot, a dot product of the two stats and its read. The
     dot product is finite only if every value is (an inf or NaN anywhere makes it inf or NaN); it
-    can also overflow where none is, so a non-finite one is looked at closely before undoing.
+    can also overflow where none is, so a non-finite one is looked at closely before undoing. A
+    skip is counted for ``counted_for`` (the module's running mean when these are its master's).
     """
-    before = torch.stack((running_mean, running_var))
+    before = torch.stack((mean, var))
     try:
-        return kernel(running_mean, running_var)
+        return kernel(mean, var)
     finally:
-        if not math.isfinite(_dot(running_mean, running_var).item()) and not (
-            bool(torch.isfinite(running_mean).all()) and bool(torch.isfinite(running_var).all())
+        if not math.isfinite(_dot(mean, var).item()) and not (
+            bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all())
         ):
-            foreach_copy((running_mean.data, running_var.data), tuple(before.unbind()))
-            _record.skipped(running_mean)
+            # .data: an eval call may have saved the stats for its backward.
+            foreach_copy((mean.data, var.data), tuple(before.unbind()))
+            _record.skipped(mean if counted_for is None else counted_for)
 
 
 def _guarded_on_device(running_mean: torch.Tensor, running_var: torch.Tensor, kernel: Kernel) -> torch.Tensor:
