@@ -22,7 +22,8 @@ from typing import Callable, Optional
 import torch
 
 from . import _kernels, _stats, _tuning
-from ._compat import autocast_disabled, autocast_excluded, plain_eager, to_copy
+from ._compat import (autocast_disabled, autocast_excluded, cudnn_enabled, exclude_autocast, plain_eager,
+                      restore_autocast, to_copy)
 from ._decide import BatchNormCall, Plan
 from ._stats import to_fp32
 
@@ -31,6 +32,9 @@ from ._stats import to_fp32
 _MIXED_KERNEL_DEVICES = frozenset({"cpu", "cuda"})
 
 Original = Callable[..., torch.Tensor]
+_torch_batch_norm = torch.batch_norm
+# ``torch.nn.functional.batch_norm``'s own code (a wrapt wrapper forwards ``__code__`` to it).
+_F_BATCH_NORM_CODE = torch.nn.functional.batch_norm.__code__
 
 
 def batch_norm(original: Original, call: BatchNormCall, plan: Plan) -> torch.Tensor:
@@ -65,6 +69,46 @@ def batch_norm(original: Original, call: BatchNormCall, plan: Plan) -> torch.Ten
             out = _stats.updating_master(running_mean, running_var, bool(training), plan.guard, host, kernel)
         else:
             out = _stats.updating(running_mean, running_var, bool(training), plan.guard, eager, host, kernel)
+    return out if out.dtype is out_dtype else out.to(out_dtype)
+
+
+def common(original: Original, args: tuple, plan: Plan, device_type: str) -> torch.Tensor:
+    """:func:`batch_norm` of a call :func:`amp_bn_fix._decide.common` accepted (``args`` by position).
+
+    The same routes and results, without the questions that call has settled: plain eager mode on
+    CPU or CUDA, FP32 (or absent) parameters and statistics that share one working tensor.
+    """
+    input, running_mean, running_var, weight, bias, training, momentum, eps = args
+    host = device_type == "cpu" and not _tuning.emulate_device
+    out_dtype = plan.out_dtype
+    layout = _mixed_kernel_layout(input) if out_dtype is input.dtype else None
+    if layout is not None and input.is_cpu:
+        def kernel(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
+            return _kernels.mixed_batch_norm(original, layout, input, mean, var, weight, bias, training, momentum, eps)
+    else:
+        upcast = layout is None
+        fast = upcast and host and training and _tuning.fast_paths and input.numel() >= _tuning.min_values()
+        # F.batch_norm's body is torch.batch_norm once its checks pass: no torch function override
+        # (plain eager, exact types), more than one value per channel (else its error, from it).
+        direct = getattr(original, "__code__", None) is _F_BATCH_NORM_CODE and not (
+            training and input.numel() == input.size(1))
+
+        def kernel(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
+            if fast and _kernels.fp32_train_eligible(input, mean, var, weight, bias, training, momentum, eps):
+                return _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
+            x = input.float() if upcast else input
+            if direct:
+                return _torch_batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn_enabled())
+            return original(x, mean, var, weight, bias, training, momentum, eps)
+
+    was_excluded = exclude_autocast(device_type)  # as in batch_norm, at a quarter of the cost
+    try:
+        if training and running_mean is not None and plan.guard:
+            out = _stats.guarded(running_mean, running_var, host, kernel)
+        else:
+            out = kernel(running_mean, running_var)
+    finally:
+        restore_autocast(device_type, was_excluded)
     return out if out.dtype is out_dtype else out.to(out_dtype)
 
 

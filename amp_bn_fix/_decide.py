@@ -6,11 +6,11 @@ Pure and cheap: a handful of attribute reads per call, no tensor op, no global s
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ._compat import autocast_dtype, autocast_enabled, has_internal_overlap
+from ._compat import autocast_dtype, autocast_enabled, has_internal_overlap, is_autocast_enabled, plain_eager
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _F32 = torch.float32
@@ -92,6 +92,61 @@ def plan(call: BatchNormCall, policy: str, guard: bool, keep: str,
         # Outside autocast the caller chose half precision; only the arithmetic is FP32.
         return Plan(dtype, guard, "input", master)
     return None
+
+
+def common(args: tuple, device_type: str) -> bool:
+    """Whether ``args`` (``F.batch_norm``'s eight, by position) are the call autocast makes most.
+
+    That is: autocast on for ``device_type`` (``"cpu"`` or ``"cuda"``, the input's), plain eager
+    mode, a 16-bit input of two dimensions or more, FP32 (or absent) weight, bias and running
+    stats, ``training`` a bool; in training, both running stats or neither, of one shape and on the
+    input's device, not requiring grad, contiguous. Such a call raises none of :func:`plan`'s
+    questions (masters, mixed dtypes, what torch rejects or must update itself): its plan is
+    :func:`common_plan`'s, decided in a few attribute reads. Any other call is decided by :func:`plan`.
+    """
+    input, mean, var, weight, bias, training, _, _ = args
+    if (
+        (weight is not None and weight.dtype is not _F32)
+        or (bias is not None and bias.dtype is not _F32)
+        or not is_autocast_enabled(device_type)
+        or input.dim() < 2
+    ):
+        return False
+    if training is True:
+        if mean is not None or var is not None:
+            if (
+                mean is None
+                or var is None
+                or mean.dtype is not _F32
+                or var.dtype is not _F32
+                or mean.requires_grad
+                or var.requires_grad
+                or mean.dim() != 1  # one shape for both, contiguous, with values: one (2, C) working tensor
+                or var.shape != mean.shape
+                or not mean.is_contiguous()
+                or not var.is_contiguous()
+                or mean.numel() == 0
+                or not (mean.is_cpu and var.is_cpu if device_type == "cpu"
+                        else mean.get_device() == var.get_device() == input.get_device())
+            ):
+                return False
+    elif training is not False or (mean is not None and mean.dtype is not _F32) or (var is not None and var.dtype is not _F32):
+        return False
+    return plain_eager(input, mean, var, weight, bias)
+
+
+def common_plan(policy: str, guard: bool, dtype: torch.dtype, device_type: str) -> Plan:
+    """The plan of a :func:`common` call under ``policy`` (not ``"off"``), as :func:`plan` would make it."""
+    out_dtype = _F32 if policy == "fp32" else autocast_dtype(device_type) if policy == "autocast" else dtype
+    key = (out_dtype, guard, policy)
+    found = _common_plans.get(key)
+    if found is None:
+        found = _common_plans[key] = Plan(out_dtype, guard, policy)
+    return found
+
+
+# The few plans :func:`common_plan` makes, each made once (a NamedTuple costs a Python call).
+_common_plans: Dict[Tuple[torch.dtype, bool, str], Plan] = {}
 
 
 def _has_16_bit_stats(call: BatchNormCall) -> bool:

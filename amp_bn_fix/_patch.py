@@ -154,6 +154,14 @@ def _bound(bind: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return None
 
 
+def _eager_policy(device_type: str, config: Config) -> str:
+    """:func:`_policy_for` in plain eager mode, where no tracer can be compiling the call."""
+    if config.devices is not None and device_type not in config.devices:
+        return "off"
+    scopes = _scopes.get()
+    return (scopes[-1].policy if scopes else None) or config.policy
+
+
 def _policy_for(device_type: str, config: Config) -> str:
     """The policy for one call on ``device_type``: ``off`` for a type the settings leave out."""
     if config.devices is not None and device_type not in config.devices:
@@ -167,6 +175,21 @@ def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, arg
     if _passes(input):
         _counts.passed += 1
         return wrapped(*args, **kwargs)
+    if len(args) == 8 and not kwargs and not _thread.inside and _handles:
+        # The call BatchNorm modules make (eight arguments by position): when it is the common
+        # one (``_decide.common``), decided in a few reads and computed by ``_compute.common``.
+        device_type = "cpu" if input.is_cpu else "cuda" if input.is_cuda else None
+        if device_type is not None and _decide.common(args, device_type):
+            config = _config
+            policy = _eager_policy(device_type, config)
+            if policy != "off":
+                _record.handled(policy)
+                _thread.inside = True
+                try:
+                    return _compute.common(wrapped, args, _decide.common_plan(policy, config.guard, input.dtype,
+                                                                              device_type), device_type)
+                finally:
+                    _thread.inside = False
     call = _bound(_decide.bind, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)

@@ -116,6 +116,17 @@ def updating_master(
         _master.commit(running_mean, running_var, master)
 
 
+def guarded(running_mean: torch.Tensor, running_var: torch.Tensor, host: bool, kernel: Kernel) -> torch.Tensor:
+    """:func:`updating` in training with the guard, for FP32 stats known to share one working tensor.
+
+    The plain eager call :func:`amp_bn_fix._decide.common` accepts: FP32 stats of one shape, on one
+    device, with values. ``host``: decided with one value read on the host.
+    """
+    if host:
+        return _guarded_on_host(running_mean, running_var, kernel)
+    return _guarded_on_device(running_mean, running_var, kernel)
+
+
 def _stackable(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
     """Whether the two stats can share one FP32 working tensor (a mismatch is torch's to report)."""
     return (

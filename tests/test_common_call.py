@@ -1,0 +1,165 @@
+"""The common call's lane (``_decide.common``, ``_compute.common``) against the full decision.
+
+BatchNorm modules call ``F.batch_norm`` with eight arguments by position; when that call is the
+common one, the wrapper decides it in a few reads and computes it with ``_compute.common``. The
+same call spelled with keywords takes the full path (``_decide.plan``, ``_compute.batch_norm``).
+Both must give the same output, gradients, running stats and record, bit for bit, on both routes.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp_bn_fix
+from amp_bn_fix import _compute, _decide, _record
+
+NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+pytestmark = pytest.mark.usefixtures("both_routes")
+
+
+@pytest.fixture
+def lane_calls(monkeypatch):
+    """How many calls ``_compute.common`` computed."""
+    calls = []
+    real = _compute.common
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(_compute, "common", counting)
+    return calls
+
+
+def _tensors(dtype, layout, affine, stats, finite, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 6, 5, 3, generator=g) * 3 + 1.5
+    if not finite:
+        x[1, 2, 0, 0] = float("inf")
+    x = x.to(dtype).contiguous(memory_format=layout).requires_grad_()
+    weight = (torch.rand(6, generator=g) + 0.5).requires_grad_() if affine else None
+    bias = torch.randn(6, generator=g).requires_grad_() if affine else None
+    mean = torch.randn(6, generator=g) if stats else None
+    var = torch.rand(6, generator=g) + 0.5 if stats else None
+    return [x, mean, var, weight, bias]
+
+
+def _run(tensors, training, by_keyword):
+    """One call on copies of ``tensors``: output, gradients, running stats and what report() counted."""
+    copies = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+    for i, t in enumerate(tensors):
+        if t is not None and i == 0:
+            copies[0] = t.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    args = (*copies, training, 0.1, 1e-5)
+    _record.reset()  # a record of a dead tensor whose id a new one takes would be replaced
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.batch_norm(**dict(zip(NAMES, args))) if by_keyword else F.batch_norm(*args)
+    out.float().square().sum().backward()
+    record = amp_bn_fix.report()
+    counted, skips = record["handled"], sum(record["guard_skips"].values())
+    grads = [None if t is None or not t.requires_grad else t.grad for t in copies]
+    return out, grads, copies[1:3], counted, skips
+
+
+def _assert_identical(a, b, what):
+    if a is None or b is None:
+        assert a is b, what
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), what
+    assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), what
+
+
+@pytest.mark.parametrize("policy", ["fp32", "input", "autocast"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+# (training, running stats): eval without running stats is torch's error, not a computation.
+@pytest.mark.parametrize("training,stats", [(True, True), (True, False), (False, True)],
+                         ids=["train", "train-no-stats", "eval"])
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "no-guard"])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "inf"])
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left")
+def test_lane_equals_full_decision(policy, dtype, training, stats, guard, layout, affine, finite, lane_calls):
+    tensors = _tensors(dtype, layout, affine, stats, finite)
+    with amp_bn_fix.policy(policy), amp_bn_fix.configure(guard=guard):
+        full = _run(tensors, training, by_keyword=True)
+        assert not lane_calls, "a call with keywords takes the full path"
+        lane = _run(tensors, training, by_keyword=False)
+        assert lane_calls == [1], "the modules' call (by position) takes the lane"
+    _assert_identical(lane[0], full[0], "output")
+    for name, a, b in zip(("input", "weight", "bias"), lane[1][:1] + lane[1][3:], full[1][:1] + full[1][3:]):
+        _assert_identical(a, b, f"{name} gradient")
+    for name, a, b in zip(("running_mean", "running_var"), lane[2], full[2]):
+        _assert_identical(a, b, name)
+    assert lane[3] == full[3] == {policy: 1}
+    assert lane[4] == full[4] == (1 if training and stats and guard and not finite else 0)
+
+
+def _bf16(*shape):
+    return torch.randn(*shape).bfloat16()
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _common_args():
+    return [_bf16(4, 6, 3), torch.zeros(6), torch.ones(6), torch.ones(6, requires_grad=True),
+            torch.zeros(6, requires_grad=True), True, 0.1, 1e-5]
+
+
+def _set(index, value):
+    def change(args):
+        args[index] = value(args[index]) if callable(value) else value
+    return change
+
+
+# Each is one reason the call is not the common one; the full decision then takes it.
+NOT_COMMON = {
+    "16-bit weight": _set(3, lambda w: w.detach().bfloat16()),
+    "16-bit bias": _set(4, lambda b: b.detach().bfloat16()),
+    "16-bit running_mean": _set(1, lambda m: m.bfloat16()),
+    "16-bit running_var": _set(2, lambda v: v.bfloat16()),
+    "one-dimensional input": _set(0, _bf16(6)),
+    "training given as int": _set(5, 1),
+    "only running_mean": _set(2, None),
+    "only running_var": _set(1, None),
+    "stats require grad": _set(1, lambda m: m.requires_grad_()),
+    "expanded stats": _set(2, torch.ones(1).expand(6)),
+    "two-dimensional stats": _set(1, torch.zeros(1, 6)),
+    "stats of other shapes": _set(2, torch.ones(7)),
+    "no channels": _set(1, torch.zeros(0)),
+    "stats on another device": _set(2, torch.ones(6, device="meta")),
+    "a tensor subclass": _set(0, lambda x: x.as_subclass(_Sub)),
+    "eval with 16-bit stats": lambda args: (_set(5, False)(args), _set(1, lambda m: m.half())(args)),
+}
+
+
+@pytest.mark.parametrize("reason", list(NOT_COMMON))
+def test_not_common(reason):
+    args = _common_args()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _decide.common(tuple(args), "cpu"), "the unchanged call is the common one"
+        NOT_COMMON[reason](args)
+        assert not _decide.common(tuple(args), "cpu")
+
+
+@pytest.mark.parametrize("context", ["autocast off", "a TorchFunctionMode", "torch.func"])
+def test_not_common_where_the_call_runs(context):
+    args = tuple(_common_args())
+    if context == "autocast off":
+        assert not _decide.common(args, "cpu")
+        return
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if context == "a TorchFunctionMode":
+            class Mode(torch.overrides.TorchFunctionMode):
+                def __torch_function__(self, func, types, args=(), kwargs=None):
+                    return func(*args, **(kwargs or {}))
+
+            with Mode():
+                assert not _decide.common(args, "cpu")
+        else:
+            seen = []
+            torch.func.grad(lambda w: (seen.append(_decide.common((args[0], *args[1:3], w, *args[4:]), "cpu"))
+                                       or w.sum()))(args[3].detach())
+            assert seen == [False]
