@@ -81,6 +81,12 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
     input, running_mean, running_var, weight, bias, training, momentum, eps = args
     host = device_type == "cpu" and not _tuning.emulate_device
     out_dtype = plan.out_dtype
+    # F.batch_norm's body is torch.batch_norm once its checks pass: no torch function override
+    # (plain eager, exact types), more than one value per channel and a positive eps (else its
+    # errors, from it).
+    if (getattr(original, "__code__", None) is _F_BATCH_NORM_CODE and type(eps) is float and eps > 0.0
+            and not (training and input.numel() == input.size(1))):
+        original = _torch_f_batch_norm
     layout = _mixed_kernel_layout(input) if out_dtype is input.dtype else None
     if layout is not None and input.is_cpu:
         def kernel(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
@@ -88,18 +94,11 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
     else:
         upcast = layout is None
         fast = upcast and host and training and _tuning.fast_paths and input.numel() >= _tuning.min_values()
-        # F.batch_norm's body is torch.batch_norm once its checks pass: no torch function override
-        # (plain eager, exact types), more than one value per channel (else its error, from it).
-        direct = getattr(original, "__code__", None) is _F_BATCH_NORM_CODE and not (
-            training and input.numel() == input.size(1))
 
         def kernel(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
             if fast and _kernels.fp32_train_eligible(input, mean, var, weight, bias, training, momentum, eps):
                 return _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
-            x = input.float() if upcast else input
-            if direct:
-                return _torch_batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn_enabled())
-            return original(x, mean, var, weight, bias, training, momentum, eps)
+            return original(input.float() if upcast else input, mean, var, weight, bias, training, momentum, eps)
 
     was_excluded = exclude_autocast(device_type)  # as in batch_norm, at a quarter of the cost
     try:
@@ -110,6 +109,13 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
     finally:
         restore_autocast(device_type, was_excluded)
     return out if out.dtype is out_dtype else out.to(out_dtype)
+
+
+def _torch_f_batch_norm(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                        weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], training: bool, momentum: float,
+                        eps: float) -> torch.Tensor:
+    """``F.batch_norm`` for a call its Python checks pass: its last line."""
+    return _torch_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled())
 
 
 def _mixed_kernel_layout(input: torch.Tensor) -> Optional[torch.memory_format]:

@@ -163,3 +163,27 @@ def test_not_common_where_the_call_runs(context):
             torch.func.grad(lambda w: (seen.append(_decide.common((args[0], *args[1:3], w, *args[4:]), "cpu"))
                                        or w.sum()))(args[3].detach())
             assert seen == [False]
+
+
+@pytest.mark.parametrize("case", ["one value per channel", "eps 0 in training", "negative eps", "eps an int"])
+def test_lane_keeps_torchs_checks(case):
+    """F.batch_norm's own checks (the lane calls torch.batch_norm directly once they pass)."""
+    x = _bf16(1, 6, 1, 1) if case == "one value per channel" else _bf16(4, 6, 3)
+    training = case != "negative eps"
+    eps = {"eps 0 in training": 0.0, "negative eps": -1.0, "eps an int": 1}.get(case, 1e-5)
+    outcomes = []
+    for by_keyword in (False, True):
+        args = (x, torch.zeros(6), torch.ones(6), torch.ones(6), torch.zeros(6), training, 0.1, eps)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            try:
+                out = F.batch_norm(**dict(zip(NAMES, args))) if by_keyword else F.batch_norm(*args)
+            except Exception as error:  # the error is what is compared
+                outcomes.append((type(error), str(error)))
+            else:
+                outcomes.append((out, args[1], args[2]))
+    lane, full = outcomes
+    if isinstance(full[0], type):  # an error (which ones depends on the torch version)
+        assert lane == full
+    else:
+        for a, b in zip(lane, full):
+            _assert_identical(a, b, case)
