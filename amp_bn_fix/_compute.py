@@ -102,10 +102,12 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
 
     was_excluded = exclude_autocast(device_type)  # as in batch_norm, at a quarter of the cost
     try:
-        if training and running_mean is not None and plan.guard:
-            out = _stats.guarded(running_mean, running_var, host, kernel)
-        else:
+        if not training or running_mean is None or not plan.guard:
             out = kernel(running_mean, running_var)
+        elif host:
+            out = _stats.guarded_on_host(running_mean, running_var, kernel)
+        else:
+            out = _stats.guarded_on_device(running_mean, running_var, kernel)
     finally:
         restore_autocast(device_type, was_excluded)
     return out if out.dtype is out_dtype else out.to(out_dtype)

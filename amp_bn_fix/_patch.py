@@ -172,8 +172,9 @@ def _policy_for(device_type: str, config: Config) -> str:
 def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     """The wrapper of ``torch.nn.functional.batch_norm``: decide, then compute or pass through."""
     input = args[0] if args else kwargs.get("input")
-    if _passes(input):
-        _counts.passed += 1
+    dtype = getattr(input, "dtype", None)
+    if dtype is not _F16 and dtype is not _BF16 and (dtype is not _F32 or not _function_mode_enabled()):
+        _counts.passed += 1  # see _passes: the test every call pays, inlined
         return wrapped(*args, **kwargs)
     if len(args) == 8 and not kwargs and not _thread.inside and _handles:
         # The call BatchNorm modules make (eight arguments by position): when it is the common
@@ -184,10 +185,10 @@ def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, arg
             policy = _eager_policy(device_type, config)
             if policy != "off":
                 _record.handled(policy)
+                plan = _decide.common_plan(policy, config.guard, dtype, device_type)
                 _thread.inside = True
                 try:
-                    return _compute.common(wrapped, args, _decide.common_plan(policy, config.guard, input.dtype,
-                                                                              device_type), device_type)
+                    return _compute.common(wrapped, args, plan, device_type)
                 finally:
                     _thread.inside = False
     call = _bound(_decide.bind, args, kwargs)

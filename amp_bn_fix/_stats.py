@@ -66,8 +66,8 @@ def updating(
         return kernel(running_mean, running_var)
     if guard and eager and _stackable(running_mean, running_var):
         if host:
-            return _guarded_on_host(running_mean, running_var, kernel)
-        return _guarded_on_device(running_mean, running_var, kernel)
+            return guarded_on_host(running_mean, running_var, kernel)
+        return guarded_on_device(running_mean, running_var, kernel)
     mean, var = _working_copy(running_mean, guard), _working_copy(running_var, guard)
     try:
         return kernel(mean, var)
@@ -99,11 +99,11 @@ def updating_master(
             _master.commit(running_mean, running_var, master)
     if host:
         try:
-            return _guarded_on_host(mean, var, kernel, running_mean)
+            return guarded_on_host(mean, var, kernel, running_mean)
         finally:
             # After a skip the master is as it was, and so are the buffers rounded from it.
             _master.commit(running_mean, running_var, master)
-    work = master.clone()  # as in _guarded_on_device, one select for both stats
+    work = master.clone()  # as in guarded_on_device, one select for both stats
     work_mean, work_var = work.unbind()
     try:
         return kernel(work_mean, work_var)
@@ -114,17 +114,6 @@ def updating_master(
         torch.where(finite, work, master.data, out=master.data)
         _record.checked_on_device(running_mean, finite)
         _master.commit(running_mean, running_var, master)
-
-
-def guarded(running_mean: torch.Tensor, running_var: torch.Tensor, host: bool, kernel: Kernel) -> torch.Tensor:
-    """:func:`updating` in training with the guard, for FP32 stats known to share one working tensor.
-
-    The plain eager call :func:`amp_bn_fix._decide.common` accepts: FP32 stats of one shape, on one
-    device, with values. ``host``: decided with one value read on the host.
-    """
-    if host:
-        return _guarded_on_host(running_mean, running_var, kernel)
-    return _guarded_on_device(running_mean, running_var, kernel)
 
 
 def _stackable(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
@@ -139,9 +128,10 @@ def _stackable(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
     )
 
 
-# The guarded routes need no ``torch.no_grad()`` (a microsecond a call): nothing they touch
+# The guarded routes (public for ``_compute.common``, whose FP32 stats are known to share one
+# working tensor) need no ``torch.no_grad()`` (a microsecond a call): nothing they touch
 # requires grad (``_decide`` leaves stats that do to torch).
-def _guarded_on_host(mean: torch.Tensor, var: torch.Tensor, kernel: Kernel,
+def guarded_on_host(mean: torch.Tensor, var: torch.Tensor, kernel: Kernel,
                      counted_for: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The kernel updates ``mean`` and ``var`` itself, as torch's do; a non-finite update is undone.
 
@@ -150,7 +140,7 @@ def _guarded_on_host(mean: torch.Tensor, var: torch.Tensor, kernel: Kernel,
     can also overflow where none is, so a non-finite one is looked at closely before undoing. A
     skip is counted for ``counted_for`` (the module's running mean when these are its master's).
     """
-    before = torch.stack((mean, var))
+    before = _snapshot(mean, var)
     try:
         return kernel(mean, var)
     finally:
@@ -158,17 +148,26 @@ def _guarded_on_host(mean: torch.Tensor, var: torch.Tensor, kernel: Kernel,
             bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all())
         ):
             # .data: an eval call may have saved the stats for its backward.
-            foreach_copy((mean.data, var.data), tuple(before.unbind()))
+            foreach_copy((mean.data, var.data), tuple(before.view(2, *mean.shape).unbind()))
             _record.skipped(mean if counted_for is None else counted_for)
 
 
-def _guarded_on_device(running_mean: torch.Tensor, running_var: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+def _snapshot(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """A copy of both stats in one tensor, ``(2, *shape)`` or, for 1-D stats, flat.
+
+    1-D stats (BatchNorm's) are joined by ``cat``: ``stack`` makes a view of each first, and in a
+    training loop that costs a microsecond or two per call.
+    """
+    return torch.cat((mean, var)) if mean.dim() == 1 else torch.stack((mean, var))
+
+
+def guarded_on_device(running_mean: torch.Tensor, running_var: torch.Tensor, kernel: Kernel) -> torch.Tensor:
     """The kernel updates one stacked FP32 copy; two selects on the device write it back if finite.
 
     Nothing is read on the host: the decision is a 0-dim device tensor (the largest magnitude is
     finite only if every value is; the reduction propagates NaN), and so is the record's count.
     """
-    work = torch.stack((running_mean, running_var))
+    work = _snapshot(running_mean, running_var).view(2, *running_mean.shape)
     mean, var = work.unbind()
     try:
         return kernel(mean, var)
