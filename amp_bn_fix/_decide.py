@@ -1,7 +1,8 @@
 """Decide: whether the shim computes a batch-norm call, and with which output dtype.
 
-Pure and cheap: a handful of attribute reads per call, no tensor op, no global state. The runtime
-(``_patch``) passes in the policy in force and the settings.
+Pure and cheap: a handful of attribute reads per call, no tensor op, no state but the few plans
+the common call has (:func:`common_plan`). The runtime (``_patch``) passes in the policy in force
+and the settings.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def common(args: tuple, device_type: str) -> bool:
 
     That is: autocast on for ``device_type`` (``"cpu"`` or ``"cuda"``, the input's), plain eager
     mode, a 16-bit input of two dimensions or more, FP32 (or absent) weight, bias and running
-    stats, ``training`` a bool; in training, both running stats or neither, of one shape and on the
-    input's device, not requiring grad, contiguous. Such a call raises none of :func:`plan`'s
+    stats, ``training`` a bool; in training, both running stats or neither, 1-D, of one shape and on
+    the input's device, not requiring grad, contiguous. Such a call raises none of :func:`plan`'s
     questions (masters, mixed dtypes, what torch rejects or must update itself): its plan is
     :func:`common_plan`'s, decided in a few attribute reads. Any other call is decided by :func:`plan`.
     """
@@ -121,7 +122,7 @@ def common(args: tuple, device_type: str) -> bool:
                 or var.dtype is not _F32
                 or mean.requires_grad
                 or var.requires_grad
-                or mean.dim() != 1  # one shape for both, contiguous, with values: one (2, C) working tensor
+                or mean.dim() != 1  # 1-D, of one shape, contiguous, with values: one joined copy
                 or var.shape != mean.shape
                 or not mean.is_contiguous()
                 or not var.is_contiguous()
@@ -130,7 +131,8 @@ def common(args: tuple, device_type: str) -> bool:
                         else mean.get_device() == var.get_device() == input.get_device())
             ):
                 return False
-    elif training is not False or (mean is not None and mean.dtype is not _F32) or (var is not None and var.dtype is not _F32):
+    elif (training is not False or (mean is not None and mean.dtype is not _F32)
+          or (var is not None and var.dtype is not _F32)):
         return False
     return plain_eager(input, mean, var, weight, bias)
 

@@ -3,7 +3,9 @@
 Two wrappers, one per entry point (``F.batch_norm`` and SyncBatchNorm's syncing path), each a
 straight line: the pass-through test (a dtype check, then a thread-local read for 16-bit inputs:
 no argument binding, no allocation), then ``_decide.plan``, then the computation
-(``_compute``/``_sync``, whose running-stat updates ``_stats`` owns).
+(``_compute``/``_sync``, whose running-stat updates ``_stats`` owns). The call BatchNorm modules
+make under autocast takes a lane of the same three steps (``_decide.common``, ``_compute.common``)
+when it is the common one.
 """
 
 from __future__ import annotations

@@ -39,6 +39,15 @@ def both_routes(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def shim_decides_nothing(monkeypatch):
+    """Every call runs natively: none is the common one, and the full decision leaves each to torch."""
+    from amp_bn_fix import _decide
+
+    monkeypatch.setattr(_decide, "common", lambda *args: False)
+    monkeypatch.setattr(_decide, "plan", lambda *args: None)
+
+
 @pytest.fixture(autouse=True)
 def default_shim():
     # The defaults with "default" as their source (amp_bn_fix.configure would record "API"),

@@ -15,7 +15,7 @@ import amp_bn_fix
 from _amp_bn_fix_boot import cli as launcher
 from _bounds import assert_near
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env
-from amp_bn_fix import _check, _decide, _patch
+from amp_bn_fix import _check, _patch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -83,8 +83,7 @@ def test_the_self_test_passes_on_each_device_and_leaves_the_patch_as_it_was(caps
     assert F.batch_norm is ORIGINAL
 
 
-def test_the_self_test_fails_and_check_exits_non_zero_when_the_shim_does_nothing(capsys, monkeypatch):
-    monkeypatch.setattr(_decide, "plan", lambda *args: None)  # every call runs natively
+def test_the_self_test_fails_and_check_exits_non_zero_when_the_shim_does_nothing(capsys, shim_decides_nothing):
     code, out = check(capsys)
     assert code == 1
     assert "FAIL" in out and "BatchNorm1d output is float16, expected float32" in out

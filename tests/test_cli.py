@@ -61,10 +61,7 @@ def test_demo_with_another_policy_says_why_both_columns_match(capsys, policy, bn
     assert f"both columns match because the policy is {policy}" in verdict and "fp32, returns float32" in verdict
 
 
-def test_demo_fails_when_the_shim_does_not_give_the_expected_dtype(capsys, monkeypatch):
-    from amp_bn_fix import _decide
-
-    monkeypatch.setattr(_decide, "plan", lambda *args: None)  # every call runs natively
+def test_demo_fails_when_the_shim_does_not_give_the_expected_dtype(capsys, shim_decides_nothing):
     assert launcher.main(["demo"]) == 1
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("MISMATCH")
 
