@@ -127,6 +127,11 @@ def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
     for t in tensors:
         if t is not None and type(t) is not _Tensor and type(t) is not _Parameter:
             return False
+    return untraced(*tensors)
+
+
+def untraced(*tensors: Optional[torch.Tensor]) -> bool:
+    """:func:`plain_eager` for tensors whose types are known to be exact: no tracer, mode or transform."""
     # Each check is one C call on a module-level name: this runs on every handled call. The
     # tensors' types are exact, so a torch function override can only come from a mode.
     return not (

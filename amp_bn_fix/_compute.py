@@ -17,13 +17,14 @@ Routes, for a float16/bfloat16 input:
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional
 
 import torch
 
 from . import _kernels, _stats, _tuning
-from ._compat import (autocast_disabled, autocast_excluded, cudnn_enabled, exclude_autocast, plain_eager,
-                      restore_autocast, to_copy)
+from ._compat import (autocast_disabled, autocast_excluded, cudnn_enabled, exclude_autocast, function_mode_enabled,
+                      plain_eager, restore_autocast, to_copy)
 from ._decide import BatchNormCall, Plan
 from ._stats import to_fp32
 
@@ -32,9 +33,18 @@ from ._stats import to_fp32
 _MIXED_KERNEL_DEVICES = frozenset({"cpu", "cuda"})
 
 Original = Callable[..., torch.Tensor]
-_torch_batch_norm = torch.batch_norm
-# ``torch.nn.functional.batch_norm``'s own code (a wrapt wrapper forwards ``__code__`` to it).
-_F_BATCH_NORM_CODE = torch.nn.functional.batch_norm.__code__
+
+def _torch_own_f_batch_norm() -> Optional[Callable[..., torch.Tensor]]:
+    """torch's own ``F.batch_norm`` function, found through any wrappers in place that say what they
+    wrap (``__wrapped__``: wrapt's, ``functools.wraps``); None when something else replaced it."""
+    found = inspect.unwrap(torch.nn.functional.batch_norm)
+    if (inspect.isfunction(found) and found.__module__ == "torch.nn.functional"
+            and found.__qualname__ == "batch_norm"):
+        return found
+    return None
+
+
+_F_BATCH_NORM = _torch_own_f_batch_norm()
 
 
 def batch_norm(original: Original, call: BatchNormCall, plan: Plan) -> torch.Tensor:
@@ -81,10 +91,11 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
     input, running_mean, running_var, weight, bias, training, momentum, eps = args
     host = device_type == "cpu" and not _tuning.emulate_device
     out_dtype = plan.out_dtype
-    # F.batch_norm's body is torch.batch_norm once its checks pass: no torch function override
-    # (plain eager, exact types), more than one value per channel and a positive eps (else its
+    # torch's own F.batch_norm (not another library's wrapper of it) is torch.batch_norm once its
+    # checks pass: no torch function override (exact types, and no mode: a default-device mode
+    # would see the call again), more than one value per channel and a positive eps (else its
     # errors, from it).
-    if (getattr(original, "__code__", None) is _F_BATCH_NORM_CODE and type(eps) is float and eps > 0.0
+    if (original is _F_BATCH_NORM and type(eps) is float and eps > 0.0 and not function_mode_enabled()
             and not (training and input.numel() == input.size(1))):
         original = _torch_f_batch_norm
     layout = _mixed_kernel_layout(input) if out_dtype is input.dtype else None
@@ -116,8 +127,9 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
 def _torch_f_batch_norm(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
                         weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], training: bool, momentum: float,
                         eps: float) -> torch.Tensor:
-    """``F.batch_norm`` for a call its Python checks pass: its last line."""
-    return _torch_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled())
+    """``F.batch_norm`` for a call its Python checks pass: its last line (``torch.batch_norm`` looked
+    up at each call, as there, so that a patch of it applies)."""
+    return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled())
 
 
 def _mixed_kernel_layout(input: torch.Tensor) -> Optional[torch.memory_format]:

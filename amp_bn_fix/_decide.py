@@ -11,11 +11,11 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from ._compat import autocast_dtype, autocast_enabled, has_internal_overlap, is_autocast_enabled, plain_eager
+from ._compat import autocast_dtype, autocast_enabled, has_internal_overlap, is_autocast_enabled, untraced
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _F32 = torch.float32
-_Tensor = torch.Tensor
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 
 
 class BatchNormCall(NamedTuple):
@@ -78,8 +78,9 @@ def plan(call: BatchNormCall, policy: str, guard: bool, keep: str,
     if policy == "off":
         return Plan(dtype, False, "input") if _left_by_keep_stats(call, dtype) else None
     master = keep == "master" and _has_16_bit_stats(call)
-    # A meta tensor has no values for the guard to judge (and none for report() to read).
-    guard = guard and not input.is_meta
+    # A meta tensor has no values for the guard to judge (and none for report() to read), and stats
+    # on another device than the input's are torch's error to report, not the guard's to read.
+    guard = guard and not input.is_meta and _on_device_of(input, call.running_mean, call.running_var)
     device_type = input.device.type
     if autocast_enabled(device_type):
         if policy == "fp32":
@@ -100,41 +101,35 @@ def common(args: tuple, device_type: str) -> bool:
 
     That is: autocast on for ``device_type`` (``"cpu"`` or ``"cuda"``, the input's), plain eager
     mode, a 16-bit input of two dimensions or more, FP32 (or absent) weight, bias and running
-    stats, ``training`` a bool; in training, both running stats or neither, 1-D, of one shape and on
+    stats (tensors of exact types: no subclass, no other object), ``training`` a bool; in training, both running stats or neither, 1-D, of one shape and on
     the input's device, not requiring grad, contiguous. Such a call raises none of :func:`plan`'s
     questions (masters, mixed dtypes, what torch rejects or must update itself): its plan is
     :func:`common_plan`'s, decided in a few attribute reads. Any other call is decided by :func:`plan`.
     """
     input, mean, var, weight, bias, training, _, _ = args
-    if (
-        (weight is not None and weight.dtype is not _F32)
-        or (bias is not None and bias.dtype is not _F32)
-        or not is_autocast_enabled(device_type)
-        or input.dim() < 2
-    ):
+    if type(input) is not _Tensor or input.dim() < 2 or not is_autocast_enabled(device_type):
         return False
+    for t in (weight, bias, mean, var):
+        if t is not None and ((type(t) is not _Tensor and type(t) is not _Parameter) or t.dtype is not _F32):
+            return False
     if training is True:
-        if mean is not None or var is not None:
-            if (
-                mean is None
-                or var is None
-                or mean.dtype is not _F32
-                or var.dtype is not _F32
-                or mean.requires_grad
-                or var.requires_grad
-                or mean.dim() != 1  # 1-D, of one shape, contiguous, with values: one joined copy
-                or var.shape != mean.shape
-                or not mean.is_contiguous()
-                or not var.is_contiguous()
-                or mean.numel() == 0
-                or not (mean.is_cpu and var.is_cpu if device_type == "cpu"
-                        else mean.get_device() == var.get_device() == input.get_device())
-            ):
-                return False
-    elif (training is not False or (mean is not None and mean.dtype is not _F32)
-          or (var is not None and var.dtype is not _F32)):
+        if (mean is not None or var is not None) and (
+            mean is None
+            or var is None
+            or mean.requires_grad
+            or var.requires_grad
+            or mean.dim() != 1  # 1-D, of one shape, contiguous, with values: one joined copy
+            or var.shape != mean.shape
+            or not mean.is_contiguous()
+            or not var.is_contiguous()
+            or mean.numel() == 0
+            or not (mean.is_cpu and var.is_cpu if device_type == "cpu"
+                    else mean.get_device() == var.get_device() == input.get_device())
+        ):
+            return False
+    elif training is not False:
         return False
-    return plain_eager(input, mean, var, weight, bias)
+    return untraced(input, mean, var, weight, bias)
 
 
 def common_plan(policy: str, guard: bool, dtype: torch.dtype, device_type: str) -> Plan:
@@ -149,6 +144,11 @@ def common_plan(policy: str, guard: bool, dtype: torch.dtype, device_type: str) 
 
 # The few plans :func:`common_plan` makes, each made once (a NamedTuple costs a Python call).
 _common_plans: Dict[Tuple[torch.dtype, bool, str], Plan] = {}
+
+
+def _on_device_of(input: torch.Tensor, *stats: Optional[torch.Tensor]) -> bool:
+    device = input.device
+    return all(stat is None or stat.device == device for stat in stats)
 
 
 def _has_16_bit_stats(call: BatchNormCall) -> bool:

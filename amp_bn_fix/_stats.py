@@ -132,7 +132,7 @@ def _stackable(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
 # working tensor) need no ``torch.no_grad()`` (a microsecond a call): nothing they touch
 # requires grad (``_decide`` leaves stats that do to torch).
 def guarded_on_host(mean: torch.Tensor, var: torch.Tensor, kernel: Kernel,
-                     counted_for: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    counted_for: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The kernel updates ``mean`` and ``var`` itself, as torch's do; a non-finite update is undone.
 
     Three ops on the common path: the snapshot, a dot product of the two stats and its read. The
@@ -144,12 +144,18 @@ def guarded_on_host(mean: torch.Tensor, var: torch.Tensor, kernel: Kernel,
     try:
         return kernel(mean, var)
     finally:
-        if not math.isfinite(_dot(mean, var).item()) and not (
-            bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all())
-        ):
+        if not _finite_on_host(mean, var):
             # .data: an eval call may have saved the stats for its backward.
             foreach_copy((mean.data, var.data), tuple(before.view(2, *mean.shape).unbind()))
             _record.skipped(mean if counted_for is None else counted_for)
+
+
+def _finite_on_host(mean: torch.Tensor, var: torch.Tensor) -> bool:
+    """Whether every value of both stats is finite: their dot product, else (it overflowed, or the
+    stats are not 1-D, which torch rejects in its own words) the values themselves."""
+    if mean.dim() == 1 and var.dim() == 1 and math.isfinite(_dot(mean, var).item()):
+        return True
+    return bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all())
 
 
 def _snapshot(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:

@@ -6,15 +6,23 @@ same call spelled with keywords takes the full path (``_decide.plan``, ``_comput
 Both must give the same output, gradients, running stats and record, bit for bit, on both routes.
 """
 
+import functools
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
+import wrapt
 
 import amp_bn_fix
+from _shared import SUBPROCESS_TIMEOUT, child_env
 from amp_bn_fix import _compute, _decide, _record
 
 NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-pytestmark = pytest.mark.usefixtures("both_routes")
+# The calls' tests on the CPU's route and on the route a CUDA call takes (see conftest).
+both_routes = pytest.mark.usefixtures("both_routes")
 
 
 @pytest.fixture
@@ -69,6 +77,7 @@ def _assert_identical(a, b, what):
     assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), what
 
 
+@both_routes
 @pytest.mark.parametrize("policy", ["fp32", "input", "autocast"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 # (training, running stats): eval without running stats is torch's error, not a computation.
@@ -135,6 +144,7 @@ NOT_COMMON = {
 }
 
 
+@both_routes
 @pytest.mark.parametrize("reason", list(NOT_COMMON))
 def test_not_common(reason):
     args = _common_args()
@@ -144,6 +154,7 @@ def test_not_common(reason):
         assert not _decide.common(tuple(args), "cpu")
 
 
+@both_routes
 @pytest.mark.parametrize("context", ["autocast off", "a TorchFunctionMode", "torch.func"])
 def test_not_common_where_the_call_runs(context):
     args = tuple(_common_args())
@@ -165,16 +176,30 @@ def test_not_common_where_the_call_runs(context):
             assert seen == [False]
 
 
-@pytest.mark.parametrize("case", ["one value per channel", "eps 0 in training", "negative eps", "eps an int"])
-def test_lane_keeps_torchs_checks(case):
-    """F.batch_norm's own checks (the lane calls torch.batch_norm directly once they pass)."""
-    x = _bf16(1, 6, 1, 1) if case == "one value per channel" else _bf16(4, 6, 3)
-    training = case != "negative eps"
-    eps = {"eps 0 in training": 0.0, "negative eps": -1.0, "eps an int": 1}.get(case, 1e-5)
+CHECKS = {
+    "one value per channel": dict(input=_bf16(1, 6, 1, 1)),
+    "eps 0 in training": dict(eps=0.0),
+    "negative eps": dict(training=False, eps=-1.0),
+    "eps an int": dict(eps=1),
+    "weight a float": dict(weight=1.0),
+    "bias a list": dict(bias=[0.0] * 6),
+    "running_mean a float in eval": dict(training=False, running_mean=0.0),
+}
+
+
+@both_routes
+@pytest.mark.parametrize("policy", ["fp32", "off"])
+@pytest.mark.parametrize("case", list(CHECKS))
+def test_lane_keeps_torchs_checks(case, policy):
+    """F.batch_norm's own checks and torch's argument errors (the lane calls torch.batch_norm
+    directly once they pass), whatever the policy."""
+    given = dict(zip(NAMES, (_bf16(4, 6, 3), torch.zeros(6), torch.ones(6), torch.ones(6), torch.zeros(6), True,
+                             0.1, 1e-5)))
+    given.update(CHECKS[case])
     outcomes = []
     for by_keyword in (False, True):
-        args = (x, torch.zeros(6), torch.ones(6), torch.ones(6), torch.zeros(6), training, 0.1, eps)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        args = tuple(given[name] for name in NAMES)
+        with torch.autocast("cpu", dtype=torch.bfloat16), amp_bn_fix.policy(policy):
             try:
                 out = F.batch_norm(**dict(zip(NAMES, args))) if by_keyword else F.batch_norm(*args)
             except Exception as error:  # the error is what is compared
@@ -187,3 +212,87 @@ def test_lane_keeps_torchs_checks(case):
     else:
         for a, b in zip(lane, full):
             _assert_identical(a, b, case)
+
+
+def _counting(calls, function):
+    @functools.wraps(function)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+    return counted
+
+
+WRAPPERS = {
+    "wrapt": lambda calls, f: wrapt.FunctionWrapper(f, lambda wrapped, _, args, kwargs: (
+        calls.append(1), wrapped(*args, **kwargs))[1]),
+    "functools.wraps": _counting,
+    "plain": lambda calls, f: lambda *args, **kwargs: calls.append(1) or f(*args, **kwargs),
+}
+
+
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+def test_another_librarys_wrapper_under_the_shim_still_runs(kind):
+    """A wrapper put on F.batch_norm while the shim was off is the function the shim wraps then:
+    the lane calls it, not torch.batch_norm directly."""
+    calls = []
+    amp_bn_fix.disable()
+    plain = F.batch_norm
+    F.batch_norm = WRAPPERS[kind](calls, plain)
+    try:
+        amp_bn_fix.enable()
+        bn, x = torch.nn.BatchNorm2d(6), _bf16(4, 6, 3, 3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = bn(x)
+        assert calls == [1] and out.dtype == torch.float32
+    finally:
+        amp_bn_fix.disable()
+        F.batch_norm = plain
+        amp_bn_fix.enable()
+
+
+def test_a_patch_of_torch_batch_norm_still_runs(monkeypatch):
+    """F.batch_norm looks torch.batch_norm up at each call; so does the lane."""
+    calls = []
+    monkeypatch.setattr(torch, "batch_norm", _counting(calls, torch.batch_norm))
+    bn, x = torch.nn.BatchNorm2d(6), _bf16(4, 6, 3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bn(x)
+    assert calls == [1]
+
+
+def test_a_wrapper_put_on_before_the_import_still_runs():
+    script = textwrap.dedent("""
+        import functools, torch, torch.nn.functional as F
+        calls = []
+        plain = F.batch_norm
+
+        @functools.wraps(plain)
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return plain(*args, **kwargs)
+
+        F.batch_norm = counted
+        import amp_bn_fix
+        bn, x = torch.nn.BatchNorm2d(6), torch.randn(4, 6, 3, 3).bfloat16()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = bn(x)
+        print(len(calls), out.dtype)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "torch.float32"]
+
+
+@both_routes
+def test_default_device_modes_count_alike_in_both_spellings(lane_calls):
+    """Under torch.set_default_device's mode the lane calls F.batch_norm itself, as the full path does."""
+    tensors = _tensors(torch.bfloat16, torch.contiguous_format, True, True, True)
+    counts = []
+    for by_keyword in (True, False):
+        with torch.device("cpu"):
+            _run(tensors, True, by_keyword)
+        counts.append(amp_bn_fix.report())
+    assert lane_calls == [1]
+    assert counts[0]["handled"] == counts[1]["handled"] == {"fp32": 1}
+    assert counts[0]["passed_through"] == counts[1]["passed_through"]

@@ -1,6 +1,7 @@
 """The guard: a training step with non-finite batch statistics leaves the running stats untouched."""
 
 import contextlib
+import re
 import copy
 
 import pytest
@@ -372,3 +373,25 @@ def test_device_route_reads_nothing_on_the_host(both_routes, policy, bad):
     else:
         assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
     assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"].get("0", 0) == (1 if bad is not None else 0)
+
+
+@pytest.mark.parametrize("stats", ["meta", "0-d", "2-d"])
+def test_the_guard_leaves_torchs_errors_to_torch(stats):
+    """Stats torch rejects (on another device, of a shape it refuses) get torch's own error, and the
+    record stays readable: the guard judges only stats on the input's device, of any shape."""
+    make = {"meta": lambda v: torch.full((C,), v, device="meta"), "0-d": lambda v: torch.tensor(v),
+            "2-d": lambda v: torch.full((1, C), v)}[stats]
+    x = _batch(0, torch.bfloat16)
+
+    def call():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            F.batch_norm(x, make(0.0), make(1.0), torch.ones(C), torch.zeros(C), True)
+
+    amp_bn_fix.disable()
+    with pytest.raises(Exception) as theirs:
+        call()
+    amp_bn_fix.enable()
+    before = amp_bn_fix.report()["guard_skips"]
+    with pytest.raises(type(theirs.value), match=f"^{re.escape(str(theirs.value))}$"):
+        call()
+    assert amp_bn_fix.report()["guard_skips"] == before
