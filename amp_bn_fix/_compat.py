@@ -75,27 +75,13 @@ _AUTOCAST_KEYS = {
 
 
 # The autocast key of CPU and CUDA, excluded and restored by two thread-local flag writes: a
-# quarter of what the ``_ExcludeDispatchKeyGuard`` object costs, on the path every handled call takes.
-_LANE_AUTOCAST_KEYS = {"cpu": _DispatchKey.AutocastCPU, "cuda": _DispatchKey.AutocastCUDA}
-_key_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-_set_key_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
-
-
-def exclude_autocast(device_type: str) -> bool:
-    """Make ops skip autocast's key for ``device_type`` (``"cpu"`` or ``"cuda"``); returns whether it was already.
-
-    Pair with :func:`restore_autocast` in a ``finally``: the cheap form of :func:`autocast_excluded`.
-    """
-    key = _LANE_AUTOCAST_KEYS[device_type]
-    if _key_excluded(key):
-        return True
-    _set_key_excluded(key, True)
-    return False
-
-
-def restore_autocast(device_type: str, was_excluded: bool) -> None:
-    if not was_excluded:
-        _set_key_excluded(_LANE_AUTOCAST_KEYS[device_type], False)
+# quarter of what the ``_ExcludeDispatchKeyGuard`` object costs. The lane every common call takes
+# (``_compute.common``) calls these C functions itself, with no Python frame in between:
+# ``was = key_excluded(LANE_AUTOCAST_KEYS[t])``, then ``set_key_excluded(key, True)`` unless
+# ``was``, and back to False in a ``finally``.
+LANE_AUTOCAST_KEYS = {"cpu": _DispatchKey.AutocastCPU, "cuda": _DispatchKey.AutocastCUDA}
+key_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+set_key_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 
 
 # ``torch.backends.cudnn.enabled`` without the module property's Python (what ``F.batch_norm`` passes).
@@ -142,7 +128,8 @@ def untraced(*tensors: Optional[torch.Tensor]) -> bool:
         or _functorch_active()
         or _forward_ad._current_level >= 0
         or jit_tracing()
-        or (dynamo_imported() and (torch.compiler.is_compiling() or is_exporting()))
+        # dynamo_imported(), written out: a Python frame less on every handled call.
+        or ("torch._dynamo" in _modules and (torch.compiler.is_compiling() or is_exporting()))
     )
 
 

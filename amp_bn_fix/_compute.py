@@ -23,8 +23,8 @@ from typing import Callable, Optional
 import torch
 
 from . import _kernels, _stats, _tuning
-from ._compat import (autocast_disabled, autocast_excluded, cudnn_enabled, exclude_autocast, function_mode_enabled,
-                      plain_eager, restore_autocast, to_copy)
+from ._compat import (LANE_AUTOCAST_KEYS, autocast_disabled, autocast_excluded, cudnn_enabled, function_mode_enabled,
+                      key_excluded, plain_eager, set_key_excluded, to_copy)
 from ._decide import BatchNormCall, Plan
 from ._stats import to_fp32
 
@@ -86,7 +86,9 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
     """:func:`batch_norm` of a call :func:`amp_bn_fix._decide.common` accepted (``args`` by position).
 
     The same routes and results, without the questions that call has settled: plain eager mode on
-    CPU or CUDA, FP32 (or absent) parameters and statistics that share one working tensor.
+    CPU or CUDA, FP32 (or absent) parameters and 1-D statistics of one shape. Written flat (the
+    guard's two halves around the kernel, the autocast key by its C functions): on the call every
+    BatchNorm module makes, each Python frame costs a tenth of a microsecond or more.
     """
     input, running_mean, running_var, weight, bias, training, momentum, eps = args
     host = device_type == "cpu" and not _tuning.emulate_device
@@ -94,41 +96,53 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
     # torch's own F.batch_norm (not another library's wrapper of it) is torch.batch_norm once its
     # checks pass: no torch function override (exact types, and no mode: a default-device mode
     # would see the call again), more than one value per channel and a positive eps (else its
-    # errors, from it).
-    if (original is _F_BATCH_NORM and type(eps) is float and eps > 0.0 and not function_mode_enabled()
-            and not (training and input.numel() == input.size(1))):
-        original = _torch_f_batch_norm
-    layout = _mixed_kernel_layout(input) if out_dtype is input.dtype else None
-    if layout is not None and input.is_cpu:
-        def kernel(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
-            return _kernels.mixed_batch_norm(original, layout, input, mean, var, weight, bias, training, momentum, eps)
-    else:
-        upcast = layout is None
-        fast = upcast and host and training and _tuning.fast_paths and input.numel() >= _tuning.min_values()
-
-        def kernel(mean: Optional[torch.Tensor], var: Optional[torch.Tensor]) -> torch.Tensor:
-            if fast and _kernels.fp32_train_eligible(input, mean, var, weight, bias, training, momentum, eps):
-                return _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
-            return original(input.float() if upcast else input, mean, var, weight, bias, training, momentum, eps)
-
-    was_excluded = exclude_autocast(device_type)  # as in batch_norm, at a quarter of the cost
+    # errors, from it). torch.batch_norm is looked up at each call, as there, so that a patch applies.
+    direct = (original is _F_BATCH_NORM and type(eps) is float and eps > 0.0 and not function_mode_enabled()
+              and not (training and input.numel() == input.size(1)))
+    same_dtype = out_dtype is input.dtype
+    layout = _mixed_kernel_layout(input) if same_dtype else None
+    guard = training and running_mean is not None and plan.guard
+    mean, var = running_mean, running_var
+    key = LANE_AUTOCAST_KEYS[device_type]
+    was_excluded = key_excluded(key)  # as autocast_excluded in batch_norm, at a quarter of the cost
+    if not was_excluded:
+        set_key_excluded(key, True)
     try:
-        if not training or running_mean is None or not plan.guard:
-            out = kernel(running_mean, running_var)
-        elif host:
-            out = _stats.guarded_on_host(running_mean, running_var, kernel)
-        else:
-            out = _stats.guarded_on_device(running_mean, running_var, kernel)
+        if guard:
+            if host:
+                before = _stats.snapshot_on_host(mean, var)
+            else:
+                work = _stats.working_on_device(mean, var)
+                mean, var = work.unbind()
+        try:
+            if layout is not None and input.is_cpu:
+                out = _kernels.mixed_batch_norm(_torch_f_batch_norm if direct else original, layout, input,
+                                                mean, var, weight, bias, training, momentum, eps)
+            elif (layout is None and host and training and _tuning.fast_paths and input.numel() >= _tuning.min_values()
+                  and _kernels.fp32_train_eligible(input, mean, var, weight, bias, training, momentum, eps)):
+                out = _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
+            else:
+                x = input if layout is not None else input.float()
+                if direct:
+                    out = torch.batch_norm(x, weight, bias, mean, var, training, momentum, eps, cudnn_enabled())
+                else:
+                    out = original(x, mean, var, weight, bias, training, momentum, eps)
+        finally:
+            if guard:
+                if host:
+                    _stats.settle_on_host(running_mean, running_var, before)
+                else:
+                    _stats.settle_on_device(running_mean, running_var, work)
     finally:
-        restore_autocast(device_type, was_excluded)
+        if not was_excluded:
+            set_key_excluded(key, False)
     return out if out.dtype is out_dtype else out.to(out_dtype)
 
 
 def _torch_f_batch_norm(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
                         weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], training: bool, momentum: float,
                         eps: float) -> torch.Tensor:
-    """``F.batch_norm`` for a call its Python checks pass: its last line (``torch.batch_norm`` looked
-    up at each call, as there, so that a patch of it applies)."""
+    """``F.batch_norm`` for a call its Python checks pass: its last line."""
     return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled())
 
 

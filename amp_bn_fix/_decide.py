@@ -1,7 +1,7 @@
 """Decide: whether the shim computes a batch-norm call, and with which output dtype.
 
 Pure and cheap: a handful of attribute reads per call, no tensor op, no state but the few plans
-the common call has (:func:`common_plan`). The runtime (``_patch``) passes in the policy in force
+the common call has (:func:`common`). The runtime (``_patch``) passes in the policy in force
 and the settings.
 """
 
@@ -96,22 +96,24 @@ def plan(call: BatchNormCall, policy: str, guard: bool, keep: str,
     return None
 
 
-def common(args: tuple, device_type: str) -> bool:
-    """Whether ``args`` (``F.batch_norm``'s eight, by position) are the call autocast makes most.
+def common(args: tuple, device_type: str, policy: str, guard: bool) -> Optional[Plan]:
+    """The plan of ``args`` (``F.batch_norm``'s eight, by position) if they are the call autocast makes most.
 
     That is: autocast on for ``device_type`` (``"cpu"`` or ``"cuda"``, the input's), plain eager
-    mode, a 16-bit input of two dimensions or more, FP32 (or absent) weight, bias and running
-    stats (tensors of exact types: no subclass, no other object), ``training`` a bool; in training, both running stats or neither, 1-D, of one shape and on
-    the input's device, not requiring grad, contiguous. Such a call raises none of :func:`plan`'s
-    questions (masters, mixed dtypes, what torch rejects or must update itself): its plan is
-    :func:`common_plan`'s, decided in a few attribute reads. Any other call is decided by :func:`plan`.
+    mode, a 16-bit input (its dtype the caller's to check) of two dimensions or more, FP32 (or absent) weight, bias and running
+    stats (tensors of exact types: no subclass, no other object), ``training`` a bool; in training,
+    both running stats or neither, 1-D, of one shape and on the input's device, not requiring grad,
+    contiguous. Such a call raises none of :func:`plan`'s questions (masters, mixed dtypes, what
+    torch rejects or must update itself): its plan under ``policy`` (not ``"off"``) is the one
+    :func:`plan` would make, decided in a few attribute reads. Any other call gets None, and is
+    decided by :func:`plan`.
     """
     input, mean, var, weight, bias, training, _, _ = args
     if type(input) is not _Tensor or input.dim() < 2 or not is_autocast_enabled(device_type):
-        return False
+        return None
     for t in (weight, bias, mean, var):
         if t is not None and ((type(t) is not _Tensor and type(t) is not _Parameter) or t.dtype is not _F32):
-            return False
+            return None
     if training is True:
         if (mean is not None or var is not None) and (
             mean is None
@@ -126,15 +128,13 @@ def common(args: tuple, device_type: str) -> bool:
             or not (mean.is_cpu and var.is_cpu if device_type == "cpu"
                     else mean.get_device() == var.get_device() == input.get_device())
         ):
-            return False
+            return None
     elif training is not False:
-        return False
-    return untraced(input, mean, var, weight, bias)
-
-
-def common_plan(policy: str, guard: bool, dtype: torch.dtype, device_type: str) -> Plan:
-    """The plan of a :func:`common` call under ``policy`` (not ``"off"``), as :func:`plan` would make it."""
-    out_dtype = _F32 if policy == "fp32" else autocast_dtype(device_type) if policy == "autocast" else dtype
+        return None
+    if not untraced(input, mean, var, weight, bias):
+        return None
+    # The few plans this makes, each made once (a NamedTuple costs a Python call).
+    out_dtype = _F32 if policy == "fp32" else autocast_dtype(device_type) if policy == "autocast" else input.dtype
     key = (out_dtype, guard, policy)
     found = _common_plans.get(key)
     if found is None:
@@ -142,7 +142,6 @@ def common_plan(policy: str, guard: bool, dtype: torch.dtype, device_type: str) 
     return found
 
 
-# The few plans :func:`common_plan` makes, each made once (a NamedTuple costs a Python call).
 _common_plans: Dict[Tuple[torch.dtype, bool, str], Plan] = {}
 
 

@@ -178,16 +178,17 @@ def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, arg
     if dtype is not _F16 and dtype is not _BF16 and (dtype is not _F32 or not _function_mode_enabled()):
         _counts.passed += 1  # see _passes: the test every call pays, inlined
         return wrapped(*args, **kwargs)
-    if len(args) == 8 and not kwargs and not _thread.inside and _handles:
-        # The call BatchNorm modules make (eight arguments by position): when it is the common
-        # one (``_decide.common``), decided in a few reads and computed by ``_compute.common``.
+    if dtype is not _F32 and len(args) == 8 and not kwargs and not _thread.inside and _handles:
+        # The call BatchNorm modules make (eight arguments by position) on a 16-bit input: when it
+        # is the common one (``_decide.common``), decided in a few reads and computed by
+        # ``_compute.common``.
         device_type = "cpu" if input.is_cpu else "cuda" if input.is_cuda else None
-        if device_type is not None and _decide.common(args, device_type):
+        if device_type is not None:
             config = _config
             policy = _eager_policy(device_type, config)
-            if policy != "off":
+            plan = _decide.common(args, device_type, policy, config.guard) if policy != "off" else None
+            if plan is not None:
                 _record.handled(policy)
-                plan = _decide.common_plan(policy, config.guard, dtype, device_type)
                 _thread.inside = True
                 try:
                     return _compute.common(wrapped, args, plan, device_type)

@@ -56,6 +56,8 @@ class _GuardRecord:
 
 # id(running_mean) -> its record
 _guard: Dict[int, _GuardRecord] = {}
+# Records of running means that died and whose id a new tensor took: their decisions still count.
+_retired: List[_GuardRecord] = []
 _warned = False
 
 
@@ -67,6 +69,9 @@ def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
     key = id(running_mean)
     record = _guard.get(key)
     if record is None or record.ref() is not running_mean:
+        if record is not None:
+            record.label = record.label or f"a deleted module ({key:#x})"
+            _retired.append(record)
         record = _guard[key] = _GuardRecord(running_mean)
     return record
 
@@ -129,7 +134,7 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
         names = {id(m.running_mean): name for name, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None}
     skips: Dict[str, int] = {}
-    for key, record in list(_guard.items()):
+    for key, record in [*((None, r) for r in _retired), *_guard.items()]:  # retired ones are labelled
         stat = record.ref()
         total = record.skips()
         if total:
@@ -163,4 +168,5 @@ def reset() -> None:
     counts.passed = 0
     counts.handled.clear()
     _guard.clear()
+    _retired.clear()
     _warned = False

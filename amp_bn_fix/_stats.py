@@ -5,8 +5,8 @@ running stats (:func:`updating`); what reaches the caller's tensors, and when, i
 
 * FP32 stats with the guard off are handed to the kernel as they are: torch's own update.
 * With the guard (plain eager mode), a non-finite batch leaves the stats bit for bit. On the host
-  route (CPU) the kernel updates the caller's stats and one value read on the host decides
-  whether to restore a snapshot; on the device route (CUDA, or CPU told to act like it) nothing
+  route (CPU) the kernel updates the caller's stats and the values read on the host decide
+  whether to restore a snapshot (of few channels, kept as Python floats); on the device route (CUDA, or CPU told to act like it) nothing
   is read on the host: the kernel updates a stacked FP32 copy, one reduction decides on the
   device and two selects write it back.
 * 16-bit stats with an FP32 master (``keep_fp32="master"``, plain eager mode,
@@ -23,7 +23,7 @@ saves are recovered, and plain torch's update, made inside its kernel, is not lo
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -128,31 +128,64 @@ def _stackable(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
     )
 
 
-# The guarded routes (public for ``_compute.common``, whose FP32 stats are known to share one
-# working tensor) need no ``torch.no_grad()`` (a microsecond a call): nothing they touch
-# requires grad (``_decide`` leaves stats that do to torch).
+# The guarded routes, each in two halves around the kernel (public for ``_compute.common``, which
+# calls its kernel between them). They need no ``torch.no_grad()`` (a microsecond a call): nothing
+# they touch requires grad (``_decide`` leaves stats that do to torch).
 def guarded_on_host(mean: torch.Tensor, var: torch.Tensor, kernel: Kernel,
                     counted_for: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The kernel updates ``mean`` and ``var`` itself, as torch's do; a non-finite update is undone.
 
-    Three ops on the common path: the snapshot, a dot product of the two stats and its read. The
-    dot product is finite only if every value is (an inf or NaN anywhere makes it inf or NaN); it
-    can also overflow where none is, so a non-finite one is looked at closely before undoing. A
-    skip is counted for ``counted_for`` (the module's running mean when these are its master's).
+    A skip is counted for ``counted_for`` (the module's running mean when these are its master's).
     """
-    before = _snapshot(mean, var)
+    before = snapshot_on_host(mean, var)
     try:
         return kernel(mean, var)
     finally:
-        if not _finite_on_host(mean, var):
-            # .data: an eval call may have saved the stats for its backward.
-            foreach_copy((mean.data, var.data), tuple(before.view(2, *mean.shape).unbind()))
-            _record.skipped(mean if counted_for is None else counted_for)
+        settle_on_host(mean, var, before, counted_for)
+
+
+# Up to this many channels the host guard keeps and judges the stats as Python floats, with no
+# tensor op: reading 2 x 32 values costs less than an op's dispatch, and in a training loop far
+# less (each op's code and memory come back cold). Beyond, the reads grow with the channels and
+# three ops are cheaper: a joined copy, a dot product of the two stats and its read.
+LISTED_CHANNELS = 32
+
+Snapshot = Union[Tuple[List[float], List[float]], torch.Tensor]
+
+
+def snapshot_on_host(mean: torch.Tensor, var: torch.Tensor) -> Snapshot:
+    """What :func:`settle_on_host` restores ``mean`` and ``var`` from.
+
+    A float32 value round-trips exactly through a Python float (a signalling NaN comes back quiet,
+    which no arithmetic makes).
+    """
+    if mean.dim() == 1 and var.dim() == 1 and mean.numel() <= LISTED_CHANNELS and var.numel() <= LISTED_CHANNELS:
+        return mean.tolist(), var.tolist()
+    return _snapshot(mean, var)
+
+
+def settle_on_host(mean: torch.Tensor, var: torch.Tensor, before: Snapshot,
+                   counted_for: Optional[torch.Tensor] = None) -> None:
+    """Undo the update of ``mean`` and ``var`` since ``before`` if it left a value that is not finite."""
+    if type(before) is tuple:
+        # The sum of float32 values in double overflows for no count that fits in memory: it is
+        # finite exactly when each value is.
+        if math.isfinite(sum(mean.tolist()) + sum(var.tolist())):
+            return
+        old = torch.tensor(before[0], dtype=mean.dtype), torch.tensor(before[1], dtype=var.dtype)
+    else:
+        if _finite_on_host(mean, var):
+            return
+        old = tuple(before.view(2, *mean.shape).unbind())
+    # .data: an eval call may have saved the stats for its backward.
+    foreach_copy((mean.data, var.data), old)
+    _record.skipped(mean if counted_for is None else counted_for)
 
 
 def _finite_on_host(mean: torch.Tensor, var: torch.Tensor) -> bool:
-    """Whether every value of both stats is finite: their dot product, else (it overflowed, or the
-    stats are not 1-D, which torch rejects in its own words) the values themselves."""
+    """Whether every value of both stats is finite: their dot product (finite only if every value
+    is; it can also overflow where none is), else (it overflowed, or the stats are not 1-D, which
+    torch rejects in its own words) the values themselves."""
     if mean.dim() == 1 and var.dim() == 1 and math.isfinite(_dot(mean, var).item()):
         return True
     return bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all())
@@ -168,20 +201,31 @@ def _snapshot(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
 
 
 def guarded_on_device(running_mean: torch.Tensor, running_var: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-    """The kernel updates one stacked FP32 copy; two selects on the device write it back if finite.
-
-    Nothing is read on the host: the decision is a 0-dim device tensor (the largest magnitude is
-    finite only if every value is; the reduction propagates NaN), and so is the record's count.
-    """
-    work = _snapshot(running_mean, running_var).view(2, *running_mean.shape)
+    """The kernel updates one stacked FP32 copy; two selects on the device write it back if finite."""
+    work = working_on_device(running_mean, running_var)
     mean, var = work.unbind()
     try:
         return kernel(mean, var)
     finally:
-        finite = _vector_norm(work, _INF) < _INF
-        torch.where(finite, mean, running_mean.data, out=running_mean.data)
-        torch.where(finite, var, running_var.data, out=running_var.data)
-        _record.checked_on_device(running_mean, finite)
+        settle_on_device(running_mean, running_var, work)
+
+
+def working_on_device(running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
+    """The ``(2, *shape)`` FP32 copy of both stats that the kernel updates (its rows) on the device route."""
+    return _snapshot(running_mean, running_var).view(2, *running_mean.shape)
+
+
+def settle_on_device(running_mean: torch.Tensor, running_var: torch.Tensor, work: torch.Tensor) -> None:
+    """Write the updated ``work`` into the stats if every value is finite, deciding on the device.
+
+    Nothing is read on the host: the decision is a 0-dim device tensor (the largest magnitude is
+    finite only if every value is; the reduction propagates NaN), and so is the record's count.
+    """
+    mean, var = work.unbind()
+    finite = _vector_norm(work, _INF) < _INF
+    torch.where(finite, mean, running_mean.data, out=running_mean.data)
+    torch.where(finite, var, running_var.data, out=running_var.data)
+    _record.checked_on_device(running_mean, finite)
 
 
 def _working_copy(stat: torch.Tensor, guard: bool) -> torch.Tensor:

@@ -33,10 +33,28 @@ def both_routes(request, monkeypatch):
     ``_tuning.emulate_device`` makes CPU calls take the device route: no host reads of tensor
     values, no CPU fast paths. So the CUDA logic runs wherever the suite runs.
     """
+    return _take_route(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["host", "host-by-ops", "device"], ids=["host-route", "host-route-by-ops", "device-route"])
+def every_route(request, monkeypatch):
+    """:func:`both_routes`, and the host route again with its guard's ops at every channel count.
+
+    The host guard keeps a few channels' stats as Python floats (``_stats.LISTED_CHANNELS``) and
+    more by ops; tests of the guard take both ways whatever their channel count.
+    """
+    if request.param == "host-by-ops":
+        from amp_bn_fix import _stats
+
+        monkeypatch.setattr(_stats, "LISTED_CHANNELS", 0)
+    return _take_route("device" if request.param == "device" else "host", monkeypatch)
+
+
+def _take_route(route, monkeypatch):
     from amp_bn_fix import _tuning
 
-    monkeypatch.setattr(_tuning, "emulate_device", request.param == "device")
-    return request.param
+    monkeypatch.setattr(_tuning, "emulate_device", route == "device")
+    return route
 
 
 @pytest.fixture
@@ -44,7 +62,7 @@ def shim_decides_nothing(monkeypatch):
     """Every call runs natively: none is the common one, and the full decision leaves each to torch."""
     from amp_bn_fix import _decide
 
-    monkeypatch.setattr(_decide, "common", lambda *args: False)
+    monkeypatch.setattr(_decide, "common", lambda *args: None)
     monkeypatch.setattr(_decide, "plan", lambda *args: None)
 
 

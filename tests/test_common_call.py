@@ -21,8 +21,8 @@ from _shared import SUBPROCESS_TIMEOUT, child_env
 from amp_bn_fix import _compute, _decide, _record
 
 NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-# The calls' tests on the CPU's route and on the route a CUDA call takes (see conftest).
-both_routes = pytest.mark.usefixtures("both_routes")
+# The calls' tests on the CPU's route (its guard both ways) and on the route a CUDA call takes (see conftest).
+every_route = pytest.mark.usefixtures("every_route")
 
 
 @pytest.fixture
@@ -37,6 +37,11 @@ def lane_calls(monkeypatch):
 
     monkeypatch.setattr(_compute, "common", counting)
     return calls
+
+
+def _common(args):
+    """Whether the lane takes ``args`` (the default settings' plan)."""
+    return _decide.common(args, "cpu", "fp32", True) is not None
 
 
 def _tensors(dtype, layout, affine, stats, finite, seed=0):
@@ -77,7 +82,7 @@ def _assert_identical(a, b, what):
     assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()), what
 
 
-@both_routes
+@every_route
 @pytest.mark.parametrize("policy", ["fp32", "input", "autocast"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 # (training, running stats): eval without running stats is torch's error, not a computation.
@@ -144,22 +149,22 @@ NOT_COMMON = {
 }
 
 
-@both_routes
+@every_route
 @pytest.mark.parametrize("reason", list(NOT_COMMON))
 def test_not_common(reason):
     args = _common_args()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _decide.common(tuple(args), "cpu"), "the unchanged call is the common one"
+        assert _common(tuple(args)), "the unchanged call is the common one"
         NOT_COMMON[reason](args)
-        assert not _decide.common(tuple(args), "cpu")
+        assert not _common(tuple(args))
 
 
-@both_routes
+@every_route
 @pytest.mark.parametrize("context", ["autocast off", "a TorchFunctionMode", "torch.func"])
 def test_not_common_where_the_call_runs(context):
     args = tuple(_common_args())
     if context == "autocast off":
-        assert not _decide.common(args, "cpu")
+        assert not _common(args)
         return
     with torch.autocast("cpu", dtype=torch.bfloat16):
         if context == "a TorchFunctionMode":
@@ -168,10 +173,10 @@ def test_not_common_where_the_call_runs(context):
                     return func(*args, **(kwargs or {}))
 
             with Mode():
-                assert not _decide.common(args, "cpu")
+                assert not _common(args)
         else:
             seen = []
-            torch.func.grad(lambda w: (seen.append(_decide.common((args[0], *args[1:3], w, *args[4:]), "cpu"))
+            torch.func.grad(lambda w: (seen.append(_common((args[0], *args[1:3], w, *args[4:])))
                                        or w.sum()))(args[3].detach())
             assert seen == [False]
 
@@ -187,7 +192,7 @@ CHECKS = {
 }
 
 
-@both_routes
+@every_route
 @pytest.mark.parametrize("policy", ["fp32", "off"])
 @pytest.mark.parametrize("case", list(CHECKS))
 def test_lane_keeps_torchs_checks(case, policy):
@@ -284,7 +289,7 @@ def test_a_wrapper_put_on_before_the_import_still_runs():
     assert result.stdout.split() == ["1", "torch.float32"]
 
 
-@both_routes
+@every_route
 def test_default_device_modes_count_alike_in_both_spellings(lane_calls):
     """Under torch.set_default_device's mode the lane calls F.batch_norm itself, as the full path does."""
     tensors = _tensors(torch.bfloat16, torch.contiguous_format, True, True, True)
@@ -296,3 +301,15 @@ def test_default_device_modes_count_alike_in_both_spellings(lane_calls):
     assert lane_calls == [1]
     assert counts[0]["handled"] == counts[1]["handled"] == {"fp32": 1}
     assert counts[0]["passed_through"] == counts[1]["passed_through"]
+
+
+@every_route
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["by-position", "by-keyword"])
+def test_an_fp32_input_under_a_default_device_mode_is_torchs(lane_calls, by_keyword):
+    """A mode makes FP32 calls reach the decision; an FP32 input is still not the shim's to compute."""
+    tensors = _tensors(torch.float32, torch.contiguous_format, True, True, True)
+    with torch.device("cpu"):
+        out, *_ = _run(tensors, True, by_keyword)
+    assert lane_calls == []
+    assert amp_bn_fix.report()["handled"] == {}
+    assert out.dtype is torch.float32

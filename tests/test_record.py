@@ -14,7 +14,7 @@ from _shared import SUBPROCESS_TIMEOUT, child_env
 from amp_bn_fix import _record, _stats
 
 # Every test on the CPU's route and on the route a CUDA call takes (see conftest).
-pytestmark = pytest.mark.usefixtures("both_routes")
+pytestmark = pytest.mark.usefixtures("every_route")
 
 
 def model():
@@ -49,18 +49,18 @@ def test_calls_are_counted_per_policy_and_passed_through():
     assert amp_bn_fix.report() == {"handled": {"fp32": 1, "input": 2}, "passed_through": 5, "guard_skips": {}}
 
 
-def test_guard_skips_are_counted_per_module_and_warned_once(both_routes):
+def test_guard_skips_are_counted_per_module_and_warned_once(every_route):
     net = model()
     # A skip decided on the host is warned at once; one decided on a device is not known there
     # until the report reads the counters.
     first_skip = (
         pytest.warns(RuntimeWarning, match=r"guard left the running stats of BatchNorm2d\(8\) at 0x.* as they were")
-        if both_routes == "host" else warnings.catch_warnings()
+        if every_route == "host" else warnings.catch_warnings()
     )
     with torch.autocast("cpu", dtype=torch.bfloat16), amp_bn_fix.policy("input"):  # both BatchNorms handled
         net(image())
         with first_skip:
-            if both_routes == "device":
+            if every_route == "device":
                 warnings.simplefilter("error")
             net(image(bad=True))  # inf reaches both BatchNorms
         with warnings.catch_warnings():
@@ -69,6 +69,25 @@ def test_guard_skips_are_counted_per_module_and_warned_once(both_routes):
     assert amp_bn_fix.report(net)["guard_skips"] == {"1": 2, "3.0": 2}
     unnamed = amp_bn_fix.report()["guard_skips"]
     assert sorted(unnamed.values()) == [2, 2] and all(name.startswith("BatchNorm2d(8) at 0x") for name in unnamed)
+
+
+def test_a_deleted_modules_skips_survive_a_new_tensor_taking_its_id():
+    """Python reuses the ids of dead objects: a new running mean at a deleted one's id starts its
+    own record, and the deleted module's skips still count."""
+    bn = nn.BatchNorm2d(8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bn(image(bad=True)[:, :1].expand(4, 8, 16, 16).bfloat16())
+    assert sum(amp_bn_fix.report()["guard_skips"].values()) == 1
+    dead_key = id(bn.running_mean)
+    del bn
+    newcomer = nn.BatchNorm2d(8)
+    # The id a new tensor would take, were Python to hand out the freed one again.
+    _record._guard[id(newcomer.running_mean)] = _record._guard.pop(dead_key)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        newcomer(image(bad=True)[:, :1].expand(4, 8, 16, 16).bfloat16())
+        newcomer(image()[:, :1].expand(4, 8, 16, 16).bfloat16())
+    skips = amp_bn_fix.report()["guard_skips"]
+    assert sum(skips.values()) == 2, skips  # (the two modules may share an address, and so a name)
 
 
 def test_guard_off_counts_no_skips():
