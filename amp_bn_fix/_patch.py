@@ -156,14 +156,6 @@ def _bound(bind: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return None
 
 
-def _eager_policy(device_type: str, config: Config) -> str:
-    """:func:`_policy_for` in plain eager mode, where no tracer can be compiling the call."""
-    if config.devices is not None and device_type not in config.devices:
-        return "off"
-    scopes = _scopes.get()
-    return (scopes[-1].policy if scopes else None) or config.policy
-
-
 def _policy_for(device_type: str, config: Config) -> str:
     """The policy for one call on ``device_type``: ``off`` for a type the settings leave out."""
     if config.devices is not None and device_type not in config.devices:
@@ -184,8 +176,13 @@ def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, arg
         # ``_compute.common``.
         device_type = "cpu" if input.is_cpu else "cuda" if input.is_cuda else None
         if device_type is not None:
+            # _policy_for in plain eager mode (no tracer can be compiling the call), written out.
             config = _config
-            policy = _eager_policy(device_type, config)
+            if config.devices is not None and device_type not in config.devices:
+                policy = "off"
+            else:
+                scopes = _scopes.get()
+                policy = (scopes[-1].policy if scopes else None) or config.policy
             plan = _decide.common(args, device_type, policy, config.guard) if policy != "off" else None
             if plan is not None:
                 _record.handled(policy)
