@@ -118,7 +118,9 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
             if layout is not None and input.is_cpu:
                 out = _kernels.mixed_batch_norm(_torch_f_batch_norm if direct else original, layout, input,
                                                 mean, var, weight, bias, training, momentum, eps)
-            elif (layout is None and host and training and _tuning.fast_paths and input.numel() >= _tuning.min_values()
+            elif (layout is None and host and training and _tuning.fast_paths
+                  and input.numel() >= _tuning.MIN_VALUES  # min_values()'s floor, without its call
+                  and input.numel() >= _tuning.min_values()
                   and _kernels.fp32_train_eligible(input, mean, var, weight, bias, training, momentum, eps)):
                 out = _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
             else:

@@ -23,6 +23,8 @@ VIEW_OPS = frozenset({
     "view", "_unsafe_view", "_reshape_alias", "unsqueeze", "squeeze", "select", "slice", "as_strided", "alias",
     "detach", "t", "expand", "permute", "transpose", "lift_fresh", "view_as", "expand_as", "unbind", "split",
     "split_with_sizes", "chunk", "narrow", "diagonal", "unflatten",
+    # Return their input unless it is conjugated or negated (``Tensor.tolist`` calls them).
+    "resolve_conj", "resolve_neg",
 })
 # Views, or no-ops, unless they call something that copies (the profiler shows what they call).
 MAYBE_VIEW_OPS = frozenset({"reshape", "flatten", "contiguous", "to", "type_as"})
