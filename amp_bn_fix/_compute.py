@@ -18,6 +18,7 @@ Routes, for a float16/bfloat16 input:
 from __future__ import annotations
 
 import inspect
+from math import isfinite
 from typing import Callable, Optional
 
 import torch
@@ -91,6 +92,7 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
     BatchNorm module makes, each Python frame costs a tenth of a microsecond or more.
     """
     input, running_mean, running_var, weight, bias, training, momentum, eps = args
+    values = input.numel()
     host = device_type == "cpu" and not _tuning.emulate_device
     out_dtype = plan.out_dtype
     # torch's own F.batch_norm (not another library's wrapper of it) is torch.batch_norm once its
@@ -98,17 +100,23 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
     # would see the call again), more than one value per channel and a positive eps (else its
     # errors, from it). torch.batch_norm is looked up at each call, as there, so that a patch applies.
     direct = (original is _F_BATCH_NORM and type(eps) is float and eps > 0.0 and not function_mode_enabled()
-              and not (training and input.numel() == input.size(1)))
+              and not (training and values == input.size(1)))
     same_dtype = out_dtype is input.dtype
     layout = _mixed_kernel_layout(input) if same_dtype else None
     guard = training and running_mean is not None and plan.guard
     mean, var = running_mean, running_var
+    # The host guard of few channels, written out (the halves in ``_stats`` cost two frames more):
+    # the stats (1-D, of one shape here) kept and checked as Python floats, as there; the restore
+    # and its count are ``settle_on_host``'s. The lane's tests hold the two spellings to one result.
+    listed = guard and host and mean.numel() <= _stats.LISTED_CHANNELS
     key = LANE_AUTOCAST_KEYS[device_type]
     was_excluded = key_excluded(key)  # as autocast_excluded in batch_norm, at a quarter of the cost
     if not was_excluded:
         set_key_excluded(key, True)
     try:
-        if guard:
+        if listed:
+            before = mean.tolist(), var.tolist()
+        elif guard:
             if host:
                 before = _stats.snapshot_on_host(mean, var)
             else:
@@ -119,8 +127,8 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
                 out = _kernels.mixed_batch_norm(_torch_f_batch_norm if direct else original, layout, input,
                                                 mean, var, weight, bias, training, momentum, eps)
             elif (layout is None and host and training and _tuning.fast_paths
-                  and input.numel() >= _tuning.MIN_VALUES  # min_values()'s floor, without its call
-                  and input.numel() >= _tuning.min_values()
+                  and values >= _tuning.MIN_VALUES  # min_values()'s floor, without its call
+                  and values >= _tuning.min_values()
                   and _kernels.fp32_train_eligible(input, mean, var, weight, bias, training, momentum, eps)):
                 out = _kernels.fp32_train_batch_norm(input, mean, var, weight, bias, momentum, eps)
             else:
@@ -130,7 +138,10 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
                 else:
                     out = original(x, mean, var, weight, bias, training, momentum, eps)
         finally:
-            if guard:
+            if listed:
+                if not isfinite(sum(mean.tolist()) + sum(var.tolist())):
+                    _stats.settle_on_host(running_mean, running_var, before)
+            elif guard:
                 if host:
                     _stats.settle_on_host(running_mean, running_var, before)
                 else:

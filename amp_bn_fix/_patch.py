@@ -185,7 +185,8 @@ def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, arg
                 policy = (scopes[-1].policy if scopes else None) or config.policy
             plan = _decide.common(args, device_type, policy, config.guard) if policy != "off" else None
             if plan is not None:
-                _record.handled(policy)
+                handled = _counts.handled  # _record.handled, inlined as the pass-through count is
+                handled[policy] = handled.get(policy, 0) + 1
                 _thread.inside = True
                 try:
                     return _compute.common(wrapped, args, plan, device_type)
