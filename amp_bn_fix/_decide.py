@@ -100,13 +100,13 @@ def common(args: tuple, device_type: str, policy: str, guard: bool) -> Optional[
     """The plan of ``args`` (``F.batch_norm``'s eight, by position) if they are the call autocast makes most.
 
     That is: autocast on for ``device_type`` (``"cpu"`` or ``"cuda"``, the input's), plain eager
-    mode, a 16-bit input (its dtype the caller's to check) of two dimensions or more, FP32 (or absent) weight, bias and running
-    stats (tensors of exact types: no subclass, no other object), ``training`` a bool; in training,
-    both running stats or neither, 1-D, of one shape and on the input's device, not requiring grad,
-    contiguous. Such a call raises none of :func:`plan`'s questions (masters, mixed dtypes, what
-    torch rejects or must update itself): its plan under ``policy`` (not ``"off"``) is the one
-    :func:`plan` would make, decided in a few attribute reads. Any other call gets None, and is
-    decided by :func:`plan`.
+    mode, a 16-bit input (its dtype the caller's to check) of two dimensions or more, FP32 (or
+    absent) weight, bias and running stats (tensors of exact types: no subclass, no other object),
+    ``training`` a bool; in training, both running stats or neither, 1-D, of one shape and on the
+    input's device, not requiring grad, contiguous. Such a call raises none of :func:`plan`'s
+    questions (masters, mixed dtypes, what torch rejects or must update itself): its plan under
+    ``policy`` (not ``"off"``) is the one :func:`plan` would make, decided in a few attribute
+    reads. Any other call gets None, and is decided by :func:`plan`.
     """
     input, mean, var, weight, bias, training, _, _ = args
     if type(input) is not _Tensor or input.dim() < 2 or not is_autocast_enabled(device_type):

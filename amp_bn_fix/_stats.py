@@ -6,9 +6,9 @@ running stats (:func:`updating`); what reaches the caller's tensors, and when, i
 * FP32 stats with the guard off are handed to the kernel as they are: torch's own update.
 * With the guard (plain eager mode), a non-finite batch leaves the stats bit for bit. On the host
   route (CPU) the kernel updates the caller's stats and the values read on the host decide
-  whether to restore a snapshot (of few channels, kept as Python floats); on the device route (CUDA, or CPU told to act like it) nothing
-  is read on the host: the kernel updates a stacked FP32 copy, one reduction decides on the
-  device and two selects write it back.
+  whether to restore a snapshot (of few channels, kept as Python floats); on the device route
+  (CUDA, or CPU told to act like it) nothing is read on the host: the kernel updates a stacked
+  FP32 copy, one reduction decides on the device and two selects write it back.
 * 16-bit stats with an FP32 master (``keep_fp32="master"``, plain eager mode,
   :func:`updating_master`): the master takes the update, guarded the same way, and is rounded
   into the 16-bit buffers.
