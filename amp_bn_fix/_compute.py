@@ -116,7 +116,8 @@ def common(original: Original, args: tuple, plan: Plan, device_type: str) -> tor
     try:
         if listed:
             before = mean.tolist(), var.tolist()
-        elif guard:
+            listed = isfinite(sum(before[0]) + sum(before[1]))  # else snapshot_on_host's exact copy
+        if guard and not listed:
             if host:
                 before = _stats.snapshot_on_host(mean, var)
             else:

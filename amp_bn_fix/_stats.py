@@ -156,11 +156,13 @@ Snapshot = Union[Tuple[List[float], List[float]], torch.Tensor]
 def snapshot_on_host(mean: torch.Tensor, var: torch.Tensor) -> Snapshot:
     """What :func:`settle_on_host` restores ``mean`` and ``var`` from.
 
-    A float32 value round-trips exactly through a Python float (a signalling NaN comes back quiet,
-    which no arithmetic makes).
+    A finite float32 value round-trips exactly through a Python float; a NaN may not (a signalling
+    one comes back quiet), so stats that are not finite already are copied as a tensor.
     """
     if mean.dim() == 1 and var.dim() == 1 and mean.numel() <= LISTED_CHANNELS and var.numel() <= LISTED_CHANNELS:
-        return mean.tolist(), var.tolist()
+        before = mean.tolist(), var.tolist()
+        if math.isfinite(sum(before[0]) + sum(before[1])):
+            return before
     return _snapshot(mean, var)
 
 

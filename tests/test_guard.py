@@ -397,3 +397,23 @@ def test_the_guard_leaves_torchs_errors_to_torch(stats):
     with pytest.raises(type(theirs.value), match=f"^{re.escape(str(theirs.value))}$"):
         call()
     assert amp_bn_fix.report()["guard_skips"] == before
+
+
+@pytest.mark.parametrize("channels", [2, 32, 33])
+@pytest.mark.parametrize("spelling", ["module", "full path"])
+def test_a_nan_already_in_the_stats_keeps_its_bits(channels, spelling):
+    """Stats that hold a NaN before the call (a signalling one, which a Python float would make
+    quiet, or a negative one) come back bit for bit, whatever route and channel count."""
+    bn = nn.BatchNorm1d(channels)
+    bits = bn.running_mean.view(torch.int32)
+    bits[0], bits[-1] = 0x7FA00001, -0x00400001  # signalling NaN; negative quiet NaN (0xFFBFFFFF)
+    before = bn.running_mean.view(torch.int32).clone(), bn.running_var.view(torch.int32).clone()
+    x = 2 + 3 * torch.randn(16, channels, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if spelling == "module":
+            bn(x.bfloat16())
+        else:
+            F.batch_norm(input=x.bfloat16(), running_mean=bn.running_mean, running_var=bn.running_var, training=True)
+    assert torch.equal(bn.running_mean.view(torch.int32), before[0])
+    assert torch.equal(bn.running_var.view(torch.int32), before[1])
+    assert sum(amp_bn_fix.report()["guard_skips"].values()) >= 1
