@@ -161,18 +161,22 @@ def snapshot_on_host(mean: torch.Tensor, var: torch.Tensor) -> Snapshot:
     """
     if mean.dim() == 1 and var.dim() == 1 and mean.numel() <= LISTED_CHANNELS and var.numel() <= LISTED_CHANNELS:
         before = mean.tolist(), var.tolist()
-        if math.isfinite(sum(before[0]) + sum(before[1])):
+        if _listed_finite(*before):
             return before
     return _snapshot(mean, var)
+
+
+def _listed_finite(mean: List[float], var: List[float]) -> bool:
+    """Whether every value is finite: the sum of float32 values in double overflows for no count
+    that fits in memory, so it is finite exactly when each value is."""
+    return math.isfinite(sum(mean) + sum(var))
 
 
 def settle_on_host(mean: torch.Tensor, var: torch.Tensor, before: Snapshot,
                    counted_for: Optional[torch.Tensor] = None) -> None:
     """Undo the update of ``mean`` and ``var`` since ``before`` if it left a value that is not finite."""
     if type(before) is tuple:
-        # The sum of float32 values in double overflows for no count that fits in memory: it is
-        # finite exactly when each value is.
-        if math.isfinite(sum(mean.tolist()) + sum(var.tolist())):
+        if _listed_finite(mean.tolist(), var.tolist()):
             return
         old = torch.tensor(before[0], dtype=mean.dtype), torch.tensor(before[1], dtype=var.dtype)
     else:
