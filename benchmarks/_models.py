@@ -81,6 +81,28 @@ def conv_bn(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1, act: 
     return nn.Sequential(*layers, *([act] if act is not None else []))
 
 
+class ByHandFP32(nn.Module):
+    """A BatchNorm computed as users write it today: autocast off, ``bn(x.float())``."""
+
+    def __init__(self, bn: nn.Module):
+        super().__init__()
+        self.bn = bn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return self.bn(x.float())
+
+
+def by_hand_fp32(model: nn.Module) -> nn.Module:
+    """``model`` with each BatchNorm (the same module, shared) computed by hand in FP32."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            setattr(model, name, ByHandFP32(child))
+        else:
+            by_hand_fp32(child)
+    return model
+
+
 def count_bn(model: nn.Module) -> int:
     return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 

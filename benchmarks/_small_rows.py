@@ -3,13 +3,16 @@
 Here the shim's fixed cost per call is most of the call: a bf16 ``BatchNorm2d(16)`` on a
 (4,16,4,4) input takes tens of microseconds natively. Each row compares the shim (its default
 settings, guard on, with the policy named) against ``amp_bn_fix.disable()``, interleaved in one
-process. Every row also has a device-path variant (``-device-path``): CPU calls take exactly the
+process; the conv-net step's ``fp32`` also against the same net with its BatchNorms written by
+hand in FP32 (shim off), which isolates the shim's own cost from the FP32 activations that policy
+hands on. Every row also has a device-path variant (``-device-path``): CPU calls take exactly the
 path a CUDA call takes (``amp_bn_fix._tuning.emulate_device``), skipped where that switch is absent.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Callable, Dict, Iterator, List
 
 import torch
@@ -17,7 +20,7 @@ from torch import nn
 
 import amp_bn_fix
 from _harness import OFF, ON, Bench, Skip, device_path, settings, shim
-from _models import count_bn, grads_like, half_input, tiny_convnet, train_step
+from _models import by_hand_fp32, count_bn, grads_like, half_input, tiny_convnet, train_step
 from _ops import profiled_ops
 
 TINY_SHAPE = (4, 16, 4, 4)
@@ -101,12 +104,21 @@ def convnet_step(emulate: bool = False) -> Callable[[Bench], None]:
         step = train_step(model, x, y, b.device)
         label = f"conv-net SGD step ({batch},3,{size},{size}), {count_bn(model)} BN"
         print(f"[{b.current}] {label}, bf16 autocast, {_label(emulate)}: shim (default settings) vs disable()")
-        calls = 1 if b.device == "cpu" else 5
+        calls = 3 if b.device == "cpu" else 5
+        where = ", device path" if emulate else ""
         for policy in ("fp32", "input"):
             with path(b, emulate), settings(policy=policy, guard=True):
                 t = b.compare(step, step, 15, calls, ON, OFF)
-            b.add("convnet", f"{label}, {policy}" + (", device path" if emulate else ""), "shim", "off", t,
+            b.add("convnet", f"{label}, {policy}{where}", "shim", "off", t,
                   note=f"{t.a_us - t.b_us:+.1f} us per step", target=TARGETS["step"] if policy == "fp32" else "")
+        # What the shim itself adds to an FP32 BatchNorm's step: against the same net with its
+        # BatchNorms written by hand in FP32 (shim off), which hands on the same FP32 activations.
+        print(f"[{b.current}] {label}, bf16 autocast, {_label(emulate)}: shim (fp32) vs bn(x.float()) by hand")
+        by_hand = train_step(by_hand_fp32(copy.deepcopy(model)), x, y, b.device)
+        with path(b, emulate), settings(policy="fp32", guard=True):
+            t = b.compare(step, by_hand, 15, calls, ON, OFF)
+        b.add("convnet", f"{label}, fp32{where}", "shim", "by hand", t,
+              note=f"{t.a_us - t.b_us:+.1f} us per step", target=TARGETS["step"])
 
     return run
 
