@@ -159,8 +159,8 @@ def _mixed_or_torch_decides(call: BatchNormCall, dtype: torch.dtype) -> Optional
     """``None`` when ``call`` goes to torch untouched, else whether a tensor's dtype differs from the input's.
 
     To torch go calls it rejects or whose update it owns: a non-tensor parameter or statistic
-    gets torch's own ``TypeError``, and a non-float one (integer running stats) torch's own dtype
-    error, which names the input's dtype, not FP32; in training, running stats that require grad
+    gets torch's own ``TypeError``, and one of another dtype than FP32 or 16 bits (integer or
+    float64 running stats) torch's own dtype error; in training, running stats that require grad
     get torch's refusal, and stats whose elements share memory (expanded, stride 0) get torch's
     own update, which no copy-and-write-back can reproduce. A mixed call is one native kernels
     reject with a half input (e.g. half weight with FP32 stats, what ``model.half()`` leaves when
@@ -174,8 +174,8 @@ def _mixed_or_torch_decides(call: BatchNormCall, dtype: torch.dtype) -> Optional
             return None
         t_dtype = t.dtype
         if t_dtype is not dtype:
-            if not t_dtype.is_floating_point:
-                return None
+            if t_dtype is not _F32 and t_dtype not in LOW_PRECISION:
+                return None  # integer, float64...: torch's error ("expect parameter to have scalar type of Float")
             mixed = True
     if call.training:
         for stat in (call.running_mean, call.running_var):

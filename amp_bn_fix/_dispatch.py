@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional
 from torch.overrides import has_torch_function_variadic
 
-from . import _compat, _patch, _record
+from . import _compat, _patch, _record, _stats, _tuning
 
 _F16 = torch.float16
 _BF16 = torch.bfloat16
@@ -249,14 +249,39 @@ def _instance_norm(keyset: Any, args: Tuple[Any, ...]) -> torch.Tensor:
 
     x = input.contiguous().view((1, n * c) + tuple(input.shape[2:]))
     call = (x, mean_copies, var_copies, _repeat(weight, n), _repeat(bias, n), use_input_stats, momentum, eps)
-    out = _patch._batch_norm_wrapper(wrapped, None, call, {})
-    if passed:
-        return out
-    if use_input_stats:
+    thread = _patch._thread
+    was_unguarded, thread.unguarded = thread.unguarded, True  # the copies are not the module's stats
+    try:
+        out = _patch._batch_norm_wrapper(wrapped, None, call, {})
+    finally:
+        thread.unguarded = was_unguarded
+    if not passed and use_input_stats:
         with torch.no_grad():
-            for stat, copies in ((running_mean, mean_copies), (running_var, var_copies)):
-                if stat is not None and copies is not None:
-                    # The mean change of the copies, added once: an update the guard skipped (copies
-                    # untouched) leaves the stat exactly as it was.
-                    stat.add_((copies.view(n, c).to(_F32) - stat.to(_F32)).mean(0))
+            _average_copies(running_mean, running_var, mean_copies, var_copies, n, c)
     return out.view(input.shape)
+
+
+def _average_copies(running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                    mean_copies: Optional[torch.Tensor], var_copies: Optional[torch.Tensor], n: int, c: int) -> None:
+    """ATen's update of InstanceNorm's stats: each becomes the mean of its ``n`` updated copies.
+
+    With the guard, judged on the module's stats themselves (one record per module, as for
+    BatchNorm): an average that is not finite leaves them bit for bit.
+    """
+    if running_mean is None or running_var is None or mean_copies is None or var_copies is None:
+        for stat, copies in ((running_mean, mean_copies), (running_var, var_copies)):
+            if stat is not None and copies is not None:
+                stat.copy_(copies.view(n, c).mean(0))
+        return
+    new_mean, new_var = mean_copies.view(n, c).mean(0), var_copies.view(n, c).mean(0)
+    if not (_patch._config.guard and running_mean.dtype is running_var.dtype and running_mean.numel() > 0
+            and running_mean.shape == running_var.shape and _compat.untraced(running_mean, running_var)):
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
+    elif running_mean.is_cpu and not _tuning.emulate_device and _stats.stackable(running_mean, running_var):
+        before = _stats.snapshot_on_host(running_mean, running_var)
+        _compat.foreach_copy((running_mean, running_var), (new_mean, new_var))
+        _stats.settle_on_host(running_mean, running_var, before)
+    else:  # decided on the device, as for BatchNorm there (and for 16-bit stats anywhere)
+        work = torch.stack((new_mean, new_var))
+        _stats.settle_on_device(running_mean, running_var, work)

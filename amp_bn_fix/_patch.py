@@ -42,6 +42,9 @@ class _ThreadState(threading.local):
     # True while this thread is inside a handled call: tensor subclasses and TorchFunctionModes
     # call the patched name again from inside F.batch_norm, and the policy must apply once.
     inside = False
+    # True while InstanceNorm's batch-norm call runs: its running stats are per-sample copies, and
+    # the guard judges the module's own stats once the copies are averaged into them (``_dispatch``).
+    unguarded = False
     # The innermost scope's policy on this thread, for code dynamo traces (``get_policy()`` inside
     # a compiled function): dynamo cannot read a ContextVar (see ``_scope_policy``).
     compiled_policy: Optional[str] = None
@@ -183,15 +186,18 @@ def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, arg
             else:
                 scopes = _scopes.get()
                 policy = (scopes[-1].policy if scopes else None) or config.policy
-            plan = _decide.common(args, device_type, policy, config.guard) if policy != "off" else None
+            guard = config.guard and not _thread.unguarded
+            plan = _decide.common(args, device_type, policy, guard) if policy != "off" else None
             if plan is not None:
-                handled = _counts.handled  # _record.handled, inlined as the pass-through count is
-                handled[policy] = handled.get(policy, 0) + 1
                 _thread.inside = True
                 try:
-                    return _compute.common(wrapped, args, plan, device_type)
+                    out = _compute.common(wrapped, args, plan, device_type)
                 finally:
                     _thread.inside = False
+                # Counted once computed: a call that raises (torch's argument errors) was not handled.
+                handled = _counts.handled  # _record.handled, inlined as the pass-through count is
+                handled[policy] = handled.get(policy, 0) + 1
+                return out
     call = _bound(_decide.bind, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)
@@ -199,16 +205,18 @@ def _batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, arg
     device_type = input.device.type
     policy = _policy_for(device_type, config)
     region_dtype = _compat.recorded_autocast_dtype(device_type) if policy != "off" else None
+    guard = config.guard and not _thread.unguarded
     if region_dtype is not None:
-        return _inside(_compute.recorded_region_batch_norm, wrapped, call, policy, region_dtype, config.guard)
-    plan = _decide.plan(call, policy, config.guard, config.keep_fp32, _master.is_kept)
+        return _inside(_compute.recorded_region_batch_norm, wrapped, call, policy, region_dtype, guard)
+    plan = _decide.plan(call, policy, guard, config.keep_fp32, _master.is_kept)
     if plan is None:
         _counts.passed += 1
         if call.training and call.running_mean is not None:
             _master.forget(call.running_mean)  # torch updates the stats: their master no longer holds
         return wrapped(*args, **kwargs)
+    out = _inside(_compute.batch_norm, wrapped, call, plan)
     _record.handled(plan.counted_as)
-    return _inside(_compute.batch_norm, wrapped, call, plan)
+    return out
 
 
 def _sync_batch_norm_wrapper(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict

@@ -100,7 +100,7 @@ def checked_on_device(running_mean: torch.Tensor, finite: torch.Tensor) -> None:
 
 def _label(running_mean: torch.Tensor) -> str:
     """The module that holds ``running_mean``, found once (a search of the live objects)."""
-    batch_norm = torch.nn.modules.batchnorm._BatchNorm
+    batch_norm = torch.nn.modules.batchnorm._NormBase  # BatchNorm's and InstanceNorm's
     # type(), not isinstance(): some live objects are proxies whose __class__ warns or fails
     # (a dead weakref.proxy raises ReferenceError); a BatchNorm's own __dict__ is read directly.
     for obj in gc.get_objects():
@@ -126,13 +126,13 @@ def _warn_first_skip(running_mean: torch.Tensor, record: _GuardRecord) -> None:
 def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
     """The counters now; reading device counters syncs with those devices (only here).
 
-    ``model`` names the guard's skips by module path (``"layer1.0.bn1"``) where its BatchNorms hold
-    the running means; others are named by type and address.
+    ``model`` names the guard's skips by module path (``"layer1.0.bn1"``) where its BatchNorms or
+    InstanceNorms hold the running means; others are named by type and address.
     """
     names = {}
     if model is not None:
         names = {id(m.running_mean): name for name, m in model.named_modules()
-                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None}
+                 if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.running_mean is not None}
     skips: Dict[str, int] = {}
     for key, record in [*((None, r) for r in _retired), *_guard.items()]:  # retired ones are labelled
         stat = record.ref()

@@ -64,7 +64,7 @@ def updating(
         return kernel(to_fp32(running_mean, eager), to_fp32(running_var, eager))
     if not guard and running_mean.dtype is _F32 and running_var.dtype is _F32:
         return kernel(running_mean, running_var)
-    if guard and eager and _stackable(running_mean, running_var):
+    if guard and eager and stackable(running_mean, running_var):
         if host:
             return guarded_on_host(running_mean, running_var, kernel)
         return guarded_on_device(running_mean, running_var, kernel)
@@ -116,7 +116,7 @@ def updating_master(
         _master.commit(running_mean, running_var, master)
 
 
-def _stackable(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
+def stackable(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
     """Whether the two stats can share one FP32 working tensor (a mismatch is torch's to report)."""
     return (
         running_mean.dtype is _F32

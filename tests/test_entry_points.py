@@ -414,6 +414,65 @@ def test_the_guard_keeps_instance_norm_stats_exactly(bad):
     assert not torch.equal(norm.running_mean, before[0]) and torch.isfinite(norm.running_var).all()
 
 
+_BITS = {"-0.0": -0.0, "inf": float("inf"), "snan": None}
+
+
+def _stats_bits(norm):
+    return norm.running_mean.view(torch.int32).clone(), norm.running_var.view(torch.int32).clone()
+
+
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
+@pytest.mark.parametrize("held", list(_BITS))
+def test_an_instance_norm_skip_leaves_every_bit_and_counts_once_for_the_module(held, every_route):
+    """A skip keeps -0.0, inf and a signalling NaN as they were, and report(model) names the module."""
+    model = nn.Sequential(nn.Conv2d(3, C, 1), nn.InstanceNorm2d(C, affine=True, track_running_stats=True))
+    norm = model[1]
+    with torch.no_grad():
+        if _BITS[held] is None:
+            norm.running_mean.view(torch.int32).fill_(0x7FA00001)  # a signalling NaN's bits
+        else:
+            norm.running_mean.fill_(_BITS[held])
+    before = _stats_bits(norm)
+    x = make_input(ENTRY["InstanceNorm2d-tracked"], torch.bfloat16).detach()[:, :3]
+    x[1, 0, 0, 0] = float("nan")
+    _record.reset()
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+    after = _stats_bits(norm)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert amp_bn_fix.report(model)["guard_skips"] == {"1": 3}
+
+
+def test_instance_norm_without_the_guard_updates_an_infinite_variance_as_torch_does(every_route):
+    """ATen averages the updated copies: an infinite variance stays infinite (not inf - inf = NaN)."""
+    results = []
+    with amp_bn_fix.configure(guard=False):
+        for shimmed in (True, False):
+            norm = seeded(nn.InstanceNorm2d(C, track_running_stats=True))
+            with torch.no_grad():
+                norm.running_var.fill_(float("inf"))
+            with contextlib.nullcontext() if shimmed else _patch.uninstalled():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    norm(make_input(ENTRY["InstanceNorm2d-tracked"], torch.bfloat16))
+            results.append(norm.running_var)
+    assert torch.isinf(results[1]).all()  # torch's own update, for reference
+    assert torch.equal(results[0], results[1])
+
+
+def test_instance_norm_keeps_one_guard_record_per_module(every_route):
+    """The guard judges the module's stats, not the per-sample copies made anew on each call."""
+    norm = nn.InstanceNorm2d(C, track_running_stats=True)
+    x = make_input(ENTRY["InstanceNorm2d-tracked"], torch.bfloat16).detach()
+    _record.reset()
+    for _ in range(5):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            norm(x)
+    kept = list(_record._guard.values()) + _record._retired
+    assert len(kept) <= 1 and all(record.ref() is norm.running_mean for record in kept)
+    assert sum(record.device_checks for record in kept) == (5 if every_route == "device" else 0)
+
+
 def test_instance_norm_without_a_batch_dimension_and_torch_errors():
     norm = nn.InstanceNorm1d(C, affine=True, track_running_stats=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

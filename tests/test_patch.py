@@ -323,6 +323,26 @@ def test_errors_are_the_originals(args, kwargs):
                      n=x.numel() // x.shape[1])
 
 
+@pytest.mark.parametrize("which", ["stats", "weight", "module"])
+def test_float64_parameters_with_a_16_bit_input_get_torchs_error(which):
+    """torch's kernels reject them with a 16-bit input; the shim must not compute the call instead."""
+    x = torch.randn(4, 3, 5, 5).bfloat16()
+
+    def call():
+        if which == "module":
+            return nn.BatchNorm2d(3).double()(x)
+        double = torch.zeros(3, dtype=torch.float64)
+        if which == "stats":
+            return F.batch_norm(x, double, double + 1, torch.ones(3), torch.zeros(3), training=True)
+        return F.batch_norm(x, torch.zeros(3), torch.ones(3), double + 1, None, training=True)
+
+    with _patch.uninstalled(), torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError) as theirs:
+        call()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError) as ours:
+        call()
+    assert str(ours.value) == str(theirs.value)
+
+
 # --- re-entrancy -----------------------------------------------------------------------------
 
 

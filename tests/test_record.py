@@ -49,6 +49,18 @@ def test_calls_are_counted_per_policy_and_passed_through():
     assert amp_bn_fix.report() == {"handled": {"fp32": 1, "input": 2}, "passed_through": 5, "guard_skips": {}}
 
 
+@pytest.mark.parametrize("spelling", ["by position", "by keyword"])
+def test_a_call_that_raises_is_not_counted_as_handled(spelling):
+    """torch's own argument error (stats of the wrong size) leaves the counts as they were."""
+    x, mean, var = torch.randn(3, 4).bfloat16(), torch.zeros(5), torch.ones(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="5"):
+        if spelling == "by position":
+            torch.nn.functional.batch_norm(x, mean, var, None, None, True, 0.1, 1e-5)
+        else:
+            torch.nn.functional.batch_norm(x, mean, var, training=True)
+    assert amp_bn_fix.report()["handled"] == {}
+
+
 def test_guard_skips_are_counted_per_module_and_warned_once(every_route):
     net = model()
     # A skip decided on the host is warned at once; one decided on a device is not known there
