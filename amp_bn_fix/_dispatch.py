@@ -31,7 +31,6 @@ from . import _compat, _patch, _record, _stats, _tuning
 
 _F16 = torch.float16
 _BF16 = torch.bfloat16
-_F32 = torch.float32
 # Below the kernel, ops run as ``torch.batch_norm``'s binding (a few microseconds less than the op
 # looked up in ``torch.ops``) unless a tensor or an active mode overrides torch functions: that
 # layer saw the call before it reached the dispatcher, and must not see it twice.
@@ -268,17 +267,15 @@ def _average_copies(running_mean: Optional[torch.Tensor], running_var: Optional[
     With the guard, judged on the module's stats themselves (one record per module, as for
     BatchNorm): an average that is not finite leaves them bit for bit.
     """
-    if running_mean is None or running_var is None or mean_copies is None or var_copies is None:
+    if not (_patch._config.guard and running_mean is not None and running_var is not None
+            and running_mean.dtype is running_var.dtype and running_mean.shape == running_var.shape
+            and running_mean.numel() > 0 and _compat.untraced(running_mean, running_var)):
         for stat, copies in ((running_mean, mean_copies), (running_var, var_copies)):
             if stat is not None and copies is not None:
                 stat.copy_(copies.view(n, c).mean(0))
         return
-    new_mean, new_var = mean_copies.view(n, c).mean(0), var_copies.view(n, c).mean(0)
-    if not (_patch._config.guard and running_mean.dtype is running_var.dtype and running_mean.numel() > 0
-            and running_mean.shape == running_var.shape and _compat.untraced(running_mean, running_var)):
-        running_mean.copy_(new_mean)
-        running_var.copy_(new_var)
-    elif running_mean.is_cpu and not _tuning.emulate_device and _stats.stackable(running_mean, running_var):
+    new_mean, new_var = mean_copies.view(n, c).mean(0), var_copies.view(n, c).mean(0)  # type: ignore[union-attr]
+    if running_mean.is_cpu and not _tuning.emulate_device and _stats.stackable(running_mean, running_var):
         before = _stats.snapshot_on_host(running_mean, running_var)
         _compat.foreach_copy((running_mean, running_var), (new_mean, new_var))
         _stats.settle_on_host(running_mean, running_var, before)

@@ -100,11 +100,11 @@ def checked_on_device(running_mean: torch.Tensor, finite: torch.Tensor) -> None:
 
 def _label(running_mean: torch.Tensor) -> str:
     """The module that holds ``running_mean``, found once (a search of the live objects)."""
-    batch_norm = torch.nn.modules.batchnorm._NormBase  # BatchNorm's and InstanceNorm's
+    norm = torch.nn.modules.batchnorm._NormBase  # BatchNorm's and InstanceNorm's
     # type(), not isinstance(): some live objects are proxies whose __class__ warns or fails
     # (a dead weakref.proxy raises ReferenceError); a BatchNorm's own __dict__ is read directly.
     for obj in gc.get_objects():
-        if issubclass(type(obj), batch_norm) and obj.__dict__.get("_buffers", {}).get("running_mean") is running_mean:
+        if issubclass(type(obj), norm) and obj.__dict__.get("_buffers", {}).get("running_mean") is running_mean:
             return f"{type(obj).__name__}({obj.num_features}) at {id(obj):#x}"
     return f"F.batch_norm's running stats ({running_mean.numel()} channels) at {id(running_mean):#x}"
 
