@@ -44,7 +44,7 @@ from _amp_bn_fix_boot.settings import Config, PolicyName
 from _amp_bn_fix_boot.settings import DeviceType as _DeviceType
 from _amp_bn_fix_boot.settings import KeepMode as _KeepMode
 
-from . import _patch, _record
+from . import _patch, _record, _state
 
 __all__ = [
     "Config",
@@ -141,7 +141,7 @@ def get_policy() -> PolicyName:
         >>> amp_bn_fix.get_policy()
         'fp32'
     """
-    return _patch.active_policy()
+    return _state.policy()
 
 
 def set_policy(name: PolicyName) -> None:
@@ -173,9 +173,10 @@ def policy(name: PolicyName) -> Iterator[None]:
     Scopes are per thread and per asyncio task (they live in a :mod:`contextvars` variable): an
     asyncio task created inside the block starts with its policy, and a scope opened in one task
     is not seen by other tasks. Other threads keep theirs and do not see this one:
-    ``nn.DataParallel`` replicas, and the autograd threads where activation checkpointing
-    recomputes on CUDA, use the process-wide policy. The shim must be enabled for the policy to
-    take effect.
+    ``nn.DataParallel`` replicas use the process-wide policy. Activation checkpointing
+    (``torch.utils.checkpoint``, reentrant or not, and ``checkpoint_sequential``) recomputes
+    under the scopes its forward ran in, wherever backward runs: after the block, or in the
+    autograd threads that run it on CUDA. The shim must be enabled for the policy to take effect.
 
     Example::
 
@@ -322,10 +323,16 @@ def report(model: Optional[_torch.nn.Module] = None) -> Dict[str, Any]:
         autocast; ``input`` for calls outside autocast and for the ``stats`` models computed
         under the policy ``off``: FP32 arithmetic, the input's dtype out), the calls it left to
         torch, and per BatchNorm module the training steps whose running-stat update the guard
-        skipped. Modules are named by their path in ``model`` when given, else by type and address.
-        Counting costs no host-device sync; reading the guard's counters of tensors on a device
-        here does (skips decided on a device are known only then). Calls made by compiled code
-        are not counted (their tracing is).
+        skipped. Modules are named by their path in ``model`` when given, else by their channel
+        count and address. Once a call was made while a CUDA graph was captured, also
+        ``"captured": {policy: calls}``: those calls (also under ``handled``) run again at each
+        replay of the graph, uncounted, and their guard decisions are counted nowhere (a replay
+        runs no Python). Counting costs no host-device sync; reading the guard's counters of
+        tensors on a device here does (skips decided on a device are known only then). Calls
+        made by compiled code are not counted (their tracing is).
+
+    Raises:
+        RuntimeError: called while a CUDA graph is captured (reading the device is not allowed then).
 
     Example::
 
@@ -341,19 +348,20 @@ def report(model: Optional[_torch.nn.Module] = None) -> Dict[str, Any]:
 
 
 def _imported_to_run_the_command() -> bool:
-    """Whether runpy is importing this package to run it as a program: ``python -m amp_bn_fix``.
+    """Whether this import is ``python -m amp_bn_fix``'s, made before its ``__main__`` runs.
 
     ``-m`` imports a package before its ``__main__``, so nothing of the command can run first. The
     command checks the settings itself and reports each bad one as a line, without a traceback;
-    only there may the import leave a bad setting to it. runpy names the module it runs
-    ``mod_name`` (``runpy.run_module``'s parameter), in each of its frames under this import.
+    only there may the import leave a bad setting to it. While ``-m`` imports the parents of the
+    module it runs, ``sys.argv[0]`` is ``"-m"``; ``sys.orig_argv`` names that module.
     """
-    ours = (__name__, __name__ + ".__main__")
-    frame = _sys._getframe(1)
-    while frame is not None:
-        if frame.f_globals.get("__name__") == "runpy" and frame.f_locals.get("mod_name") in ours:
-            return True
-        frame = frame.f_back
+    if _sys.argv[:1] != ["-m"]:
+        return False
+    argv = getattr(_sys, "orig_argv", [])
+    for i, arg in enumerate(argv[1:], 1):
+        module = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:] if arg.startswith("-m") else None
+        if module is not None:
+            return module in (__name__, __name__ + ".__main__")
     return False
 
 

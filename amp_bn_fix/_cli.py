@@ -13,7 +13,7 @@ from _amp_bn_fix_boot import settings
 from _amp_bn_fix_boot import status as startup
 from _amp_bn_fix_boot.names import ENV_ENABLE
 
-from . import _check, _demo, _patch
+from . import _check, _demo, _patch, _state
 
 REPORT = "the bug report pytorch#88929"
 
@@ -26,7 +26,7 @@ def _format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def demo(args: Optional[argparse.Namespace] = None) -> int:
     """Each layer's output dtype under autocast without and with the shim; 1 when one is not as expected."""
-    policy = _patch.active_policy()
+    policy = _state.policy()
     print(f"{REPORT[0].upper() + REPORT[1:]}: Linear(4,4) -> BatchNorm1d(4) -> Linear(4,5) under autocast")
     print(f"amp_bn_fix policy: {policy} (from {_patch.current_config().sources['policy']})\n")
     rows: List[_demo.DemoRow] = [row for device, dtype in _demo.cases() for row in _demo.report_rows(device, dtype)]

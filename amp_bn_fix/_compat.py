@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import ContextManager, Optional, Tuple
+from typing import Any, ContextManager, Optional, Tuple
 
 import torch
 import torch._guards
@@ -25,16 +25,17 @@ _key_included = torch._C._dispatch_tls_is_dispatch_key_included
 _functorch_active = torch._C._are_functorch_transforms_active
 _forward_ad = torch.autograd.forward_ad
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_functorch = torch._C._functorch
+# The torch.func transforms in effect, outermost first (before torch 2.5 at least: the innermost).
+_interpreter_stack = getattr(_functorch, "get_interpreter_stack", None)
+_VMAP = _functorch.TransformType.Vmap
 # Whether any TorchFunctionMode is active (strict export's, torch.set_default_device's...): one C call.
 function_mode_enabled = _function_mode_enabled
 # True for a batched (vmap, either kind), functorch-wrapped or Python-subclass tensor.
 subclass_like = torch._C._dispatch_isTensorSubclassLike
 _DispatchKey = torch._C.DispatchKey
-_ExcludeKeys = torch._C._ExcludeDispatchKeyGuard
 # torch.jit.trace is recording this call.
 jit_tracing = torch._C._is_tracing
-# True only in code dynamo is tracing (not while it runs a traced call on fake tensors).
-is_dynamo_tracing = torch.compiler.is_dynamo_compiling
 # torch.compiler.config.cache_key_tag (torch 2.6+) goes into inductor's and AOTAutograd's cache keys.
 # Imported by name: torch 2.6 does not import the submodule with torch.
 try:
@@ -46,8 +47,19 @@ _modules = sys.modules
 
 
 def autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (False for types autocast does not know)."""
-    return _is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    """Whether autocast is in effect for ``device_type``: on, and not under ``torch.func.vmap``.
+
+    Under vmap (at any level) autocast casts nothing, though ``torch.is_autocast_enabled`` still
+    reads true; under ``grad``, ``jacrev`` and ``functional_call`` it casts as outside them.
+    False for device types autocast does not know.
+    """
+    return (_is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+            and not (_functorch_active() and _under_vmap()))
+
+
+def _under_vmap() -> bool:
+    stack = _interpreter_stack() if _interpreter_stack is not None else [_functorch.peek_interpreter_stack()]
+    return any(interpreter is not None and interpreter.key() == _VMAP for interpreter in stack or ())
 
 
 def autocast_dtype(device_type: str) -> torch.dtype:
@@ -65,39 +77,51 @@ def autocast_disabled(device_type: str) -> ContextManager[object]:
     return contextlib.nullcontext()
 
 
-# The autocast dispatch key of each device type that has one.
-_AUTOCAST_KEYS = {
-    device_type: torch._C.DispatchKeySet(getattr(_DispatchKey, key))
+# The autocast dispatch key of each device type that has one: the one table of them.
+AUTOCAST_KEYS = {
+    device_type: getattr(_DispatchKey, key)
     for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"), ("xpu", "AutocastXPU"),
                              ("mps", "AutocastMPS"), ("hpu", "AutocastHPU"), ("privateuseone", "AutocastPrivateUse1"))
     if hasattr(_DispatchKey, key)
 }
+_key_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_key_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 
 
-# The autocast key of CPU and CUDA, excluded and restored by two thread-local flag writes: a
-# quarter of what the ``_ExcludeDispatchKeyGuard`` object costs. The lane every common call takes
-# (``_compute.common``) calls these C functions itself, with no Python frame in between:
-# ``was = key_excluded(LANE_AUTOCAST_KEYS[t])``, then ``set_key_excluded(key, True)`` unless
-# ``was``, and back to False in a ``finally``.
-LANE_AUTOCAST_KEYS = {"cpu": _DispatchKey.AutocastCPU, "cuda": _DispatchKey.AutocastCUDA}
-key_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
-set_key_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+def exclude_autocast(device_type: str, eager: bool) -> Any:
+    """Turn autocast off for ``device_type`` until :func:`restore_autocast` is given what this returns.
+
+    In plain ``eager`` mode ops skip autocast's dispatch key (two thread-local flag writes: a
+    quarter of what a ``_ExcludeDispatchKeyGuard`` costs, a small part of
+    ``torch.autocast(enabled=False)``'s Python set-up); the kernels registered there (the
+    dispatcher door) are not entered either. Tracers and torch.compile get
+    ``torch.autocast(enabled=False)``, which they record; the two differ only in what
+    ``torch.is_autocast_enabled()`` reports inside.
+    """
+    if eager:
+        key = AUTOCAST_KEYS.get(device_type)
+        if key is not None:
+            if _key_excluded(key):
+                return None
+            _set_key_excluded(key, True)
+            return key
+    context = autocast_disabled(device_type)
+    context.__enter__()
+    return context
+
+
+def restore_autocast(excluded: Any) -> None:
+    """Undo :func:`exclude_autocast`."""
+    if excluded is None:
+        return
+    if type(excluded) is _DispatchKey:
+        _set_key_excluded(excluded, False)
+    else:
+        excluded.__exit__(None, None, None)
 
 
 # ``torch.backends.cudnn.enabled`` without the module property's Python (what ``F.batch_norm`` passes).
 cudnn_enabled = torch._C._get_cudnn_enabled
-is_autocast_enabled = torch.is_autocast_enabled
-
-
-def autocast_excluded(device_type: str) -> ContextManager[object]:
-    """Plain eager mode's cheap :func:`autocast_disabled`: ops skip autocast's dispatch key.
-
-    One C++ guard instead of ``torch.autocast(enabled=False)``'s Python set-up (several
-    microseconds per call). Tracers and torch.compile get :func:`autocast_disabled`, which they
-    understand; the two differ only in what ``torch.is_autocast_enabled()`` reports inside.
-    """
-    keys = _AUTOCAST_KEYS.get(device_type)
-    return _ExcludeKeys(keys) if keys is not None else autocast_disabled(device_type)
 
 
 def plain_eager(*tensors: Optional[torch.Tensor]) -> bool:
@@ -222,12 +246,19 @@ def to_copy(t: torch.Tensor, dtype: torch.dtype, eager: bool = False) -> torch.T
 
     Traced, a copy op, unlike ``t.float()``: torch.export pins the input dtype of ``.to`` calls,
     which would stop an exported program from running without autocast; under torch.jit.trace it
-    is ``.to``, the cast TorchScript's ONNX exporter knows. In plain ``eager`` mode the method,
-    which costs half as much host time as the op looked up in ``torch.ops``.
+    is ``.to``, the cast TorchScript's ONNX exporter knows. In plain ``eager`` mode the method
+    named for the dtype (``t.float()``), whose argument parsing costs a fraction of ``t.to(dtype)``'s
+    (a microsecond and more), and which copies as ``_to_copy`` does when the dtype changes.
     """
-    if eager or jit_tracing():
+    if eager:
+        convert = _CONVERSIONS.get(dtype) if t.dtype is not dtype else None
+        return convert(t) if convert is not None else t.to(dtype, copy=True)
+    if jit_tracing():
         return t.to(dtype, copy=True)
     return _to_copy(t, dtype=dtype)
+
+
+_CONVERSIONS = {torch.float32: _Tensor.float, torch.float16: _Tensor.half, torch.bfloat16: _Tensor.bfloat16}
 
 
 def foreach_copy(targets: Tuple[torch.Tensor, ...], sources: Tuple[torch.Tensor, ...]) -> None:
@@ -243,16 +274,6 @@ _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
 
 # The dispatcher door (``_dispatch``): registering Python kernels at autocast's keys.
-# A C++ guard: ops inside skip the given keys (``torch._C._ExcludeDispatchKeyGuard``).
-exclude_dispatch_keys = _ExcludeKeys
-
-
-def dispatch_key_set(key: str) -> Optional["torch._C.DispatchKeySet"]:
-    """The key set of one dispatch key by name, None where this torch has no such key."""
-    dispatch_key = getattr(_DispatchKey, key, None)
-    return torch._C.DispatchKeySet(dispatch_key) if dispatch_key is not None else None
-
-
 def has_dispatch_kernel(op: str, key: str) -> bool:
     """Whether ``op`` (``"aten::batch_norm"``) has a kernel of its own at dispatch key ``key``."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)

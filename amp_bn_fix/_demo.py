@@ -7,7 +7,7 @@ from typing import Iterator, List, NamedTuple, Tuple
 import torch
 from torch import nn
 
-from . import _patch
+from . import _patch, _state
 
 
 class DemoRow(NamedTuple):
@@ -90,7 +90,7 @@ def report_rows(device: str, dtype: torch.dtype) -> List[DemoRow]:
     The shim runs with the policy in force in this thread. Leaves the patch as it found it.
     """
     net = report_network(device)
-    policy = _patch.active_policy()
+    policy = _state.policy()
     with _patch.uninstalled():
         without = _layer_dtypes(net, device, dtype)
     with _patch.installed():

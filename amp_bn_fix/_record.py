@@ -3,13 +3,24 @@
 Calls are counted on the host where the wrapper decides (an integer increment). The guard's
 decisions are counted where they are made: skips decided on the host there; decisions made on a
 device are kept as the 0-dim device tensors they are (summed on the device every few dozen calls,
-no sync) next to a host count of checks, and only :func:`snapshot` reads them and derives the skips. Only plain eager calls are counted: traced and compiled code runs without the
-wrapper's Python (its calls are counted while tracing, not when the compiled code runs).
+no sync) next to a host count of checks, and only :func:`snapshot` reads them and derives the
+skips. Only plain eager calls are counted: traced and compiled code runs without the wrapper's
+Python (its calls are counted while tracing, not when the compiled code runs).
+
+CUDA graphs likewise: a call made while the current CUDA stream is capturing a graph is counted
+once, as handled and under ``captured``, and its replays are not counted. The guard's decision in
+such a call is left out altogether: at capture nothing is computed yet, and at each replay the
+device makes a decision that no host code is there to count. So while a graph is captured the
+record makes no device op of its own (no decision kept, no sum folded): a captured op would run
+again at every replay.
+
+What is kept stays bounded when running stats are new tensors on every call (``nn.DataParallel``'s
+replicas, functional code): the records of stats that died are folded, now and then, into one
+record per device.
 """
 
 from __future__ import annotations
 
-import gc
 import sys
 import warnings
 import weakref
@@ -19,11 +30,13 @@ import torch
 
 
 class _Counts:
-    __slots__ = ("passed", "handled")
+    __slots__ = ("passed", "handled", "captured")
 
     def __init__(self) -> None:
         self.passed = 0
         self.handled: Dict[str, int] = {}
+        # The handled calls made while a CUDA graph was captured, by what they did (also in ``handled``).
+        self.captured: Dict[str, int] = {}
 
 
 counts = _Counts()
@@ -31,14 +44,29 @@ counts = _Counts()
 # one sum on the device per _FOLD calls, instead of an add per call.
 _FOLD = 64
 
+_cuda = torch.cuda
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph: the ops issued now are recorded to
+    run at each replay, and no Python runs then. False, with no query, until CUDA is initialised
+    (a graph needs CUDA tensors; without CUDA in the build, ``is_current_stream_capturing`` raises).
+    """
+    return _cuda._initialized and _cuda.is_current_stream_capturing()
+
+
+def _no_tensor() -> None:
+    return None
+
 
 class _GuardRecord:
     """What the guard decided for one running mean."""
 
     __slots__ = ("ref", "host_skips", "device_checks", "device_flags", "device_kept", "label")
 
-    def __init__(self, running_mean: torch.Tensor) -> None:
-        self.ref = weakref.ref(running_mean)
+    def __init__(self, running_mean: Optional[torch.Tensor]) -> None:
+        # None: the record of running means that died (``_deleted``).
+        self.ref = weakref.ref(running_mean) if running_mean is not None else _no_tensor
         self.host_skips = 0
         self.device_checks = 0
         # 0-dim bool device tensors not summed yet, and the sum of those that were.
@@ -48,32 +76,89 @@ class _GuardRecord:
 
     def skips(self) -> int:
         """Reads the device's decisions (a sync): only :func:`snapshot` calls it."""
-        kept = sum(int(flag) for flag in self.device_flags)
-        if self.device_kept is not None:
-            kept += int(self.device_kept.item())
+        self.fold()
+        kept = int(self.device_kept.item()) if self.device_kept is not None else 0
         return self.host_skips + self.device_checks - kept
+
+    def fold(self) -> None:
+        """Sum the decisions not summed yet into ``device_kept``, on the device (no sync)."""
+        flags = self.device_flags
+        if flags:
+            kept = torch.stack(flags).sum()
+            self.device_kept = kept if self.device_kept is None else self.device_kept.add_(kept)
+            flags.clear()
+
+    def absorb(self, other: "_GuardRecord") -> None:
+        """Add ``other``'s decisions (made on this record's device) to this record's."""
+        other.fold()
+        self.host_skips += other.host_skips
+        self.device_checks += other.device_checks
+        if other.device_kept is not None:
+            self.device_kept = other.device_kept if self.device_kept is None else self.device_kept.add_(other.device_kept)
 
 
 # id(running_mean) -> its record
 _guard: Dict[int, _GuardRecord] = {}
-# Records of running means that died and whose id a new tensor took: their decisions still count.
-_retired: List[_GuardRecord] = []
+# The decisions for running means that died, one record per device their decisions were kept on
+# ("" for decisions made on the host only): they still count, under one name.
+_deleted: Dict[str, _GuardRecord] = {}
+DELETED = "running stats no longer alive"
+# Dead records are looked for once the live ones have doubled since the last look.
+_MIN_SWEEP = 64
+_sweep_at = _MIN_SWEEP
 _warned = False
+# Records of dead running means not yet added to ``_deleted``: that takes device ops, which wait
+# while a CUDA graph is captured.
+_dead: List[_GuardRecord] = []
 
 
 def handled(counted_as: str) -> None:
     counts.handled[counted_as] = counts.handled.get(counted_as, 0) + 1
+    # capturing(), written out: a Python frame less on every handled call.
+    if _cuda._initialized and _cuda.is_current_stream_capturing():
+        counts.captured[counted_as] = counts.captured.get(counted_as, 0) + 1
 
 
 def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
     key = id(running_mean)
     record = _guard.get(key)
     if record is None or record.ref() is not running_mean:
-        if record is not None:
-            record.label = record.label or f"a deleted module ({key:#x})"
-            _retired.append(record)
+        if record is not None:  # a dead tensor's id, taken by a new one
+            _retire(record)
+        elif len(_guard) >= _sweep_at:
+            _sweep()
         record = _guard[key] = _GuardRecord(running_mean)
     return record
+
+
+def _retire(record: _GuardRecord) -> None:
+    """Add a dead running mean's record to the one of its device in ``_deleted`` (once no graph is captured)."""
+    _dead.append(record)
+    if not capturing():
+        _retire_dead()
+
+
+def _retire_dead() -> None:
+    while _dead:
+        record = _dead.pop()
+        record.fold()
+        device = "" if record.device_kept is None else str(record.device_kept.device)
+        aggregate = _deleted.get(device)
+        if aggregate is None:
+            aggregate = _deleted[device] = _GuardRecord(None)
+        aggregate.absorb(record)
+
+
+def _sweep() -> None:
+    """Fold the records of running means that died into ``_deleted``."""
+    global _sweep_at
+    if capturing():  # a later call sweeps
+        return
+    for key, record in list(_guard.items()):
+        if record.ref() is None:
+            del _guard[key]
+            _retire(record)
+    _sweep_at = max(_MIN_SWEEP, 2 * len(_guard))
 
 
 def skipped(running_mean: torch.Tensor) -> None:
@@ -87,26 +172,21 @@ def checked_on_device(running_mean: torch.Tensor, finite: torch.Tensor) -> None:
     """The guard decided on the device (``finite``, a 0-dim bool tensor, True where it updated).
 
     Nothing is read here; :func:`snapshot` derives the skips from the checks and the kept updates.
+    A decision captured into a CUDA graph is not kept: ``finite`` holds nothing yet, and each
+    replay rewrites it without counting a check (the call is counted under ``captured``).
     """
+    if capturing():
+        return
     record = _record_of(running_mean)
     record.device_checks += 1
-    flags = record.device_flags
-    flags.append(finite)
-    if len(flags) == _FOLD:
-        kept = torch.stack(flags).sum()
-        record.device_kept = kept if record.device_kept is None else record.device_kept.add_(kept)
-        flags.clear()
+    record.device_flags.append(finite)
+    if len(record.device_flags) == _FOLD:
+        record.fold()
 
 
 def _label(running_mean: torch.Tensor) -> str:
-    """The module that holds ``running_mean``, found once (a search of the live objects)."""
-    norm = torch.nn.modules.batchnorm._NormBase  # BatchNorm's and InstanceNorm's
-    # type(), not isinstance(): some live objects are proxies whose __class__ warns or fails
-    # (a dead weakref.proxy raises ReferenceError); a BatchNorm's own __dict__ is read directly.
-    for obj in gc.get_objects():
-        if issubclass(type(obj), norm) and obj.__dict__.get("_buffers", {}).get("running_mean") is running_mean:
-            return f"{type(obj).__name__}({obj.num_features}) at {id(obj):#x}"
-    return f"F.batch_norm's running stats ({running_mean.numel()} channels) at {id(running_mean):#x}"
+    """What names ``running_mean`` where no model is given (``report(model)`` names it by path)."""
+    return f"the running stats of {running_mean.numel()} channels at {id(running_mean):#x}"
 
 
 def _warn_first_skip(running_mean: torch.Tensor, record: _GuardRecord) -> None:
@@ -116,8 +196,9 @@ def _warn_first_skip(running_mean: torch.Tensor, record: _GuardRecord) -> None:
     _warned = True
     record.label = record.label or _label(running_mean)
     warnings.warn(
-        f"amp_bn_fix: the guard left the running stats of {record.label} as they were: this batch's "
-        "statistics were not finite (inf or NaN). Further skips are counted, not reported: see amp_bn_fix.report()",
+        f"amp_bn_fix: the guard left {record.label} as they were: this batch's statistics were not finite "
+        "(inf or NaN). Further skips are counted, not reported: see amp_bn_fix.report(model), which names "
+        "the module",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -127,22 +208,38 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
     """The counters now; reading device counters syncs with those devices (only here).
 
     ``model`` names the guard's skips by module path (``"layer1.0.bn1"``) where its BatchNorms or
-    InstanceNorms hold the running means; others are named by type and address.
+    InstanceNorms hold the running means; others are named by type and address. ``"captured"`` is
+    there once a handled call was made while a CUDA graph was captured: what such calls did, per
+    policy (they are in ``"handled"`` too, once; their replays are counted nowhere, and neither are
+    their guard decisions).
+
+    Raises:
+        RuntimeError: a CUDA graph is being captured, which forbids reading the device.
     """
+    if capturing():
+        raise RuntimeError(
+            "amp_bn_fix.report() reads the guard's counters from the device, which is not allowed while a "
+            "CUDA graph is captured: call it outside the captured region")
+    _retire_dead()
     names = {}
     if model is not None:
         names = {id(m.running_mean): name for name, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.running_mean is not None}
     skips: Dict[str, int] = {}
-    for key, record in [*((None, r) for r in _retired), *_guard.items()]:  # retired ones are labelled
+    for key, record in [*((None, r) for r in _deleted.values()), *_guard.items()]:
         stat = record.ref()
         total = record.skips()
         if total:
-            if record.label is None:  # found once: the search walks every live object
-                record.label = _label(stat) if stat is not None else f"a deleted module ({key:#x})"
-            name = names.get(key) or record.label
+            if stat is None:
+                name = DELETED
+            else:
+                record.label = record.label or _label(stat)
+                name = names.get(key) or record.label
             skips[name] = skips.get(name, 0) + total
-    return {"handled": dict(counts.handled), "passed_through": counts.passed, "guard_skips": skips}
+    record = {"handled": dict(counts.handled), "passed_through": counts.passed, "guard_skips": skips}
+    if counts.captured:
+        record["captured"] = dict(counts.captured)
+    return record
 
 
 def summary() -> str:
@@ -151,8 +248,10 @@ def summary() -> str:
     per_policy = ", ".join(f"{n} {p}" for p, n in sorted(record["handled"].items())) or "none"
     skips = sum(record["guard_skips"].values())
     where = f" ({', '.join(f'{n} in {m}' for m, n in record['guard_skips'].items())})" if skips else ""
+    captured = sum(record.get("captured", {}).values())
+    graphs = f"; captured in CUDA graphs: {captured} (their replays are not counted)" if captured else ""
     return (f"amp_bn_fix: calls handled: {per_policy}; passed through: {record['passed_through']}; "
-            f"guard skips: {skips}{where}")
+            f"guard skips: {skips}{where}{graphs}")
 
 
 def print_summary() -> None:
@@ -167,6 +266,8 @@ def reset() -> None:
     global _warned
     counts.passed = 0
     counts.handled.clear()
+    counts.captured.clear()
     _guard.clear()
-    _retired.clear()
+    _deleted.clear()
+    _dead.clear()
     _warned = False

@@ -1,4 +1,4 @@
-"""Machine tuning and the switches that choose a call's route; no logic lives here.
+"""Machine tuning: where a call's route changes; no logic lives here.
 
 The thresholds decide only *where* the CPU fast paths of :mod:`._kernels` pay off, never what a
 call computes: every route's result is within the same float64-derived bound, so a retune (or
@@ -9,15 +9,6 @@ and Xeon, AVX-512) and will move with hardware.
 from __future__ import annotations
 
 import torch
-
-# The CPU fast paths (:mod:`._kernels`) may be used at all. Off: every call takes the reference
-# computation the device path uses, which is slower on CPU but otherwise the same.
-fast_paths = True
-
-# Make CPU calls take exactly the route a CUDA call takes: no host reads of tensor values (the
-# guard decides on the device, the counters add on the device), no CPU fast paths. For tests and
-# benchmarks, so the device route's logic runs where no GPU is.
-emulate_device = False
 
 # Where the FP32 training fast path pays: at one torch thread its dozen small ops pay back on inputs
 # of half a million values with at least 1536 per channel. Measured fwd+bwd, fast / reference, one
@@ -48,6 +39,9 @@ def min_values() -> int:
     return MIN_VALUES * threads * threads
 
 
-def host_route(input: torch.Tensor) -> bool:
-    """Whether a call on ``input`` may read tensor values on the host and use the CPU fast paths."""
-    return input.is_cpu and not emulate_device
+def host_route(tensor: torch.Tensor) -> bool:
+    """Whether a call on ``tensor`` may read tensor values on the host and use the CPU fast paths.
+
+    ``amp_bn_fix.testing.device_route()`` replaces it, so that CPU calls take the route a CUDA call takes.
+    """
+    return tensor.is_cpu

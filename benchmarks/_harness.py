@@ -3,7 +3,7 @@
 Every timed figure is a ratio of two candidates measured in interleaved pairs (A B, B A, A B, ...),
 each sample timing a number of calls; the ratio reported is the median of the per-pair ratios,
 with its interquartile range, so a busy machine slows both sides alike. Only the shim's public API
-is used (``enable``, ``disable``, ``configure``), plus ``amp_bn_fix._tuning.emulate_device`` where
+is used (``enable``, ``disable``, ``configure``), plus ``amp_bn_fix.testing.device_route()`` where
 that module exists.
 """
 
@@ -156,27 +156,20 @@ ON, OFF = switch(True), switch(False)
 def device_path_unavailable() -> Optional[str]:
     """Why the device-path variant cannot run here, or None when it can."""
     try:
-        tuning = importlib.import_module("amp_bn_fix._tuning")
-    except ImportError:
-        return "amp_bn_fix._tuning does not exist in this version"
-    if not isinstance(getattr(tuning, "emulate_device", None), bool):
-        return "amp_bn_fix._tuning has no boolean emulate_device"
+        importlib.import_module("amp_bn_fix.testing").device_route
+    except (ImportError, AttributeError):
+        return "amp_bn_fix.testing.device_route does not exist in this version"
     return None
 
 
 @contextlib.contextmanager
 def device_path() -> Iterator[None]:
-    """CPU calls take the path a CUDA call takes (``amp_bn_fix._tuning.emulate_device``) in the body."""
+    """CPU calls take the path a CUDA call takes (``amp_bn_fix.testing.device_route()``) in the body."""
     reason = device_path_unavailable()
     if reason is not None:
         raise Skip(reason)
-    tuning = importlib.import_module("amp_bn_fix._tuning")
-    before = tuning.emulate_device
-    tuning.emulate_device = True
-    try:
+    with importlib.import_module("amp_bn_fix.testing").device_route():
         yield
-    finally:
-        tuning.emulate_device = before
 
 
 # --- one run's records ------------------------------------------------------------------------

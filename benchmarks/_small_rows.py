@@ -6,7 +6,7 @@ settings, guard on, with the policy named) against ``amp_bn_fix.disable()``, int
 process; the conv-net step's ``fp32`` also against the same net with its BatchNorms written by
 hand in FP32 (shim off), which isolates the shim's own cost from the FP32 activations that policy
 hands on. Every row also has a device-path variant (``-device-path``): CPU calls take exactly the
-path a CUDA call takes (``amp_bn_fix._tuning.emulate_device``), skipped where that switch is absent.
+path a CUDA call takes (``amp_bn_fix.testing.device_route()``), skipped where that does not exist.
 """
 
 from __future__ import annotations

@@ -95,3 +95,15 @@ def assert_stats_replayed(stats: Sequence[torch.Tensor], inputs: Sequence[torch.
     n = inputs[0].numel() // channels if inputs else 1
     assert_near(stats[0], mean, n, what="running mean")
     assert_near(stats[1], var, n, what="running var")
+
+
+def guarded_update(mean: torch.Tensor, var: torch.Tensor, host: bool, kernel: Any) -> Any:
+    """``kernel(mean, var)`` updating the stats as a handled training call's kernel does, guarded
+    (plain eager mode, on the host or the device route)."""
+    from amp_bn_fix import _guard
+
+    work_mean, work_var, token = _guard.begin(mean, var, True, True, host)
+    try:
+        return kernel(work_mean, work_var)
+    finally:
+        _guard.finish(mean, var, work_mean, work_var, token, True)

@@ -3,6 +3,7 @@
 One exception: the FP32 fast path's size thresholds are lowered for the tests' small inputs.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -30,40 +31,39 @@ def fast_paths_for_small_inputs(monkeypatch):
 def both_routes(request, monkeypatch):
     """The test runs on the host route (CPU reads, fast paths) and on the route a CUDA call takes.
 
-    ``_tuning.emulate_device`` makes CPU calls take the device route: no host reads of tensor
-    values, no CPU fast paths. So the CUDA logic runs wherever the suite runs.
+    ``amp_bn_fix.testing.device_route()`` makes CPU calls take the device route: no host reads of
+    tensor values, no CPU fast paths. So the CUDA logic runs wherever the suite runs.
     """
-    return _take_route(request.param, monkeypatch)
+    yield from _take_route(request.param)
 
 
 @pytest.fixture(params=["host", "host-by-ops", "device"], ids=["host-route", "host-route-by-ops", "device-route"])
 def every_route(request, monkeypatch):
     """:func:`both_routes`, and the host route again with its guard's ops at every channel count.
 
-    The host guard keeps a few channels' stats as Python floats (``_stats.LISTED_CHANNELS``) and
+    The host guard keeps a few channels' stats as Python floats (``_guard.LISTED_CHANNELS``) and
     more by ops; tests of the guard take both ways whatever their channel count.
     """
     if request.param == "host-by-ops":
-        from amp_bn_fix import _stats
+        from amp_bn_fix import _guard
 
-        monkeypatch.setattr(_stats, "LISTED_CHANNELS", 0)
-    return _take_route("device" if request.param == "device" else "host", monkeypatch)
+        monkeypatch.setattr(_guard, "LISTED_CHANNELS", 0)
+    yield from _take_route("device" if request.param == "device" else "host")
 
 
-def _take_route(route, monkeypatch):
-    from amp_bn_fix import _tuning
+def _take_route(route):
+    from amp_bn_fix.testing import device_route
 
-    monkeypatch.setattr(_tuning, "emulate_device", route == "device")
-    return route
+    with device_route() if route == "device" else contextlib.nullcontext():
+        yield route
 
 
 @pytest.fixture
 def shim_decides_nothing(monkeypatch):
     """Every call runs natively: none is the common one, and the full decision leaves each to torch."""
-    from amp_bn_fix import _decide
+    from amp_bn_fix import _doors
 
-    monkeypatch.setattr(_decide, "common", lambda *args: None)
-    monkeypatch.setattr(_decide, "plan", lambda *args: None)
+    monkeypatch.setattr(_doors, "plan", lambda *args, **kwargs: None)
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,7 @@ def default_shim():
     _patch.configure(amp_bn_fix.Config())
     _patch.install()
     yield
-    _patch._set_scopes(())
+    _patch.set_scopes(())
     _patch.configure(amp_bn_fix.Config())
     _patch.install()
 

@@ -1,11 +1,13 @@
-"""The common call's lane (``_decide.common``, ``_compute.common``) against the full decision.
+"""The common call's lane (the plan's early return, a ``plain`` plan) against the general questions.
 
 BatchNorm modules call ``F.batch_norm`` with eight arguments by position; when that call is the
-common one, the wrapper decides it in a few reads and computes it with ``_compute.common``. The
-same call spelled with keywords takes the full path (``_decide.plan``, ``_compute.batch_norm``).
-Both must give the same output, gradients, running stats and record, bit for bit, on both routes.
+common one, the plan decides it in a few reads and marks it ``plain``, and ``_compute.run`` skips
+the questions such a call has settled. The same call planned as any other (``plain`` off, the
+``general`` runs here) must give the same output, gradients, running stats and record, bit for bit,
+on every route; so must the same call spelled with keywords.
 """
 
+import contextlib
 import functools
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import wrapt
 
 import amp_bn_fix
 from _shared import SUBPROCESS_TIMEOUT, child_env
-from amp_bn_fix import _compute, _decide, _record
+from amp_bn_fix import _compute, _doors, _plan, _record
 
 NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 # The calls' tests on the CPU's route (its guard both ways) and on the route a CUDA call takes (see conftest).
@@ -27,21 +29,40 @@ every_route = pytest.mark.usefixtures("every_route")
 
 @pytest.fixture
 def lane_calls(monkeypatch):
-    """How many calls ``_compute.common`` computed."""
+    """How many calls ``_compute.run`` computed on a plain plan (the lane)."""
     calls = []
-    real = _compute.common
+    real = _compute.run
 
-    def counting(*args):
-        calls.append(1)
-        return real(*args)
+    def counting(original, call, plan, *rest):
+        if plan.plain:
+            calls.append(1)
+        return real(original, call, plan, *rest)
 
-    monkeypatch.setattr(_compute, "common", counting)
+    monkeypatch.setattr(_compute, "run", counting)
     return calls
+
+
+@contextlib.contextmanager
+def _general(on=True):
+    """With ``on``, every plan is made as for a call that is not the common one (``plain`` off)."""
+    if not on:
+        yield
+        return
+    real = _plan.plan
+
+    def general(*args, **kwargs):
+        found = real(*args, **kwargs)
+        return found if found is None else found._replace(plain=False)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_doors, "plan", general)
+        yield
 
 
 def _common(args):
     """Whether the lane takes ``args`` (the default settings' plan)."""
-    return _decide.common(args, "cpu", "fp32", True) is not None
+    found = _plan.plan(args)
+    return found is not None and found.plain
 
 
 def _tensors(dtype, layout, affine, stats, finite, seed=0):
@@ -57,7 +78,7 @@ def _tensors(dtype, layout, affine, stats, finite, seed=0):
     return [x, mean, var, weight, bias]
 
 
-def _run(tensors, training, by_keyword):
+def _run(tensors, training, by_keyword, general=False):
     """One call on copies of ``tensors``: output, gradients, running stats and what report() counted."""
     copies = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
     for i, t in enumerate(tensors):
@@ -65,7 +86,7 @@ def _run(tensors, training, by_keyword):
             copies[0] = t.detach().clone(memory_format=torch.preserve_format).requires_grad_()
     args = (*copies, training, 0.1, 1e-5)
     _record.reset()  # a record of a dead tensor whose id a new one takes would be replaced
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), _general(general):
         out = F.batch_norm(**dict(zip(NAMES, args))) if by_keyword else F.batch_norm(*args)
     out.float().square().sum().backward()
     record = amp_bn_fix.report()
@@ -96,10 +117,15 @@ def _assert_identical(a, b, what):
 def test_lane_equals_full_decision(policy, dtype, training, stats, guard, layout, affine, finite, lane_calls):
     tensors = _tensors(dtype, layout, affine, stats, finite)
     with amp_bn_fix.policy(policy), amp_bn_fix.configure(guard=guard):
-        full = _run(tensors, training, by_keyword=True)
-        assert not lane_calls, "a call with keywords takes the full path"
+        full = _run(tensors, training, by_keyword=False, general=True)
+        assert not lane_calls, "a plan made as for any other call is not plain"
         lane = _run(tensors, training, by_keyword=False)
         assert lane_calls == [1], "the modules' call (by position) takes the lane"
+        keyword = _run(tensors, training, by_keyword=True)
+        assert lane_calls == [1, 1], "the same call by keyword is the same plain call"
+    for a, b in zip(keyword, lane):
+        if isinstance(a, torch.Tensor):
+            _assert_identical(a, b, "by keyword")
     _assert_identical(lane[0], full[0], "output")
     for name, a, b in zip(("input", "weight", "bias"), lane[1][:1] + lane[1][3:], full[1][:1] + full[1][3:]):
         _assert_identical(a, b, f"{name} gradient")
@@ -202,11 +228,11 @@ def test_lane_keeps_torchs_checks(case, policy):
                              0.1, 1e-5)))
     given.update(CHECKS[case])
     outcomes = []
-    for by_keyword in (False, True):
+    for general in (False, True):
         args = tuple(given[name] for name in NAMES)
-        with torch.autocast("cpu", dtype=torch.bfloat16), amp_bn_fix.policy(policy):
+        with torch.autocast("cpu", dtype=torch.bfloat16), amp_bn_fix.policy(policy), _general(general):
             try:
-                out = F.batch_norm(**dict(zip(NAMES, args))) if by_keyword else F.batch_norm(*args)
+                out = F.batch_norm(*args)
             except Exception as error:  # the error is what is compared
                 outcomes.append((type(error), str(error)))
             else:
@@ -291,14 +317,14 @@ def test_a_wrapper_put_on_before_the_import_still_runs():
 
 @every_route
 def test_default_device_modes_count_alike_in_both_spellings(lane_calls):
-    """Under torch.set_default_device's mode the lane calls F.batch_norm itself, as the full path does."""
+    """Under torch.set_default_device's mode the lane calls F.batch_norm itself, as a general plan does."""
     tensors = _tensors(torch.bfloat16, torch.contiguous_format, True, True, True)
     counts = []
     for by_keyword in (True, False):
         with torch.device("cpu"):
             _run(tensors, True, by_keyword)
         counts.append(amp_bn_fix.report())
-    assert lane_calls == [1]
+    assert lane_calls == [1, 1]
     assert counts[0]["handled"] == counts[1]["handled"] == {"fp32": 1}
     assert counts[0]["passed_through"] == counts[1]["passed_through"]
 

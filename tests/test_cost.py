@@ -11,7 +11,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import amp_bn_fix
-from amp_bn_fix import _patch, _stats
+from amp_bn_fix import _guard, _patch
 
 # Ops that make a view or read metadata: no kernel runs for them (``resolve_conj``/``resolve_neg``
 # return their input unless it is conjugated or negated: ``Tensor.tolist`` calls them).
@@ -19,7 +19,7 @@ VIEWS = {"aten::view", "aten::_unsafe_view", "aten::unsqueeze", "aten::select", 
          "aten::alias", "aten::detach", "aten::t", "aten::expand", "aten::unbind", "aten::lift_fresh",
          "aten::resolve_conj", "aten::resolve_neg"}
 # Extra ops per handled call, at most: (route, policy, training), for more channels than the host
-# guard reads as Python floats (``_stats.LISTED_CHANNELS``); for as few, the host guard runs no op.
+# guard reads as Python floats (``_guard.LISTED_CHANNELS``); for as few, the host guard runs no op.
 BUDGET = {
     ("host", "fp32", True): 4, ("host", "input", True): 3, ("host", "autocast", True): 3,
     ("device", "fp32", True): 6, ("device", "input", True): 5, ("device", "autocast", True): 5,
@@ -42,7 +42,7 @@ HALF_MODEL_EXTRA = {True: 3, False: 2}
 HOST_GUARD_OPS = 3
 
 
-@pytest.mark.parametrize("channels", [_stats.LISTED_CHANNELS // 2, _stats.LISTED_CHANNELS, 2 * _stats.LISTED_CHANNELS])
+@pytest.mark.parametrize("channels", [_guard.LISTED_CHANNELS // 2, _guard.LISTED_CHANNELS, 2 * _guard.LISTED_CHANNELS])
 @pytest.mark.parametrize("model", ["fp32-model", "half-model"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("policy", ["fp32", "input", "autocast"])
@@ -63,7 +63,7 @@ def test_a_handled_call_adds_few_ops(both_routes, policy, training, model, chann
     assert amp_bn_fix.report()["handled"].get(policy)
     extra = len(shim) - len(native)
     budget = BUDGET[both_routes, policy, training] + (HALF_MODEL_EXTRA[training] if model == "half-model" else 0)
-    if both_routes == "host" and training and channels <= _stats.LISTED_CHANNELS:
+    if both_routes == "host" and training and channels <= _guard.LISTED_CHANNELS:
         budget -= HOST_GUARD_OPS
     assert extra <= budget, (shim, native)
     if both_routes == "device":

@@ -122,6 +122,40 @@ def test_a_training_step_and_an_eval_forward_make_no_host_sync_debug(policy):
     assert sum(amp_bn_fix.report()["handled"].values()) - before == 2 * 2 * len(batch_norms(model))
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_guard_keeps_the_stats_through_a_non_finite_fp16_batch_with_no_host_sync_debug(policy, bad):
+    # A 16-bit input, as a conv's output under fp16 autocast: a call the shim handles, so what keeps
+    # the stats is its guard, decided on the device. (An FP32 input would be left to torch, whose
+    # own update takes the inf.)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(8)).cuda()
+    bn = model[0]
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(8, device="cuda"))
+        bn.running_var.uniform_(0.5, 2.0)
+    x = (torch.randn(32, 8, device="cuda") * 3 + 2).half()
+    with amp_bn_fix.configure(policy=policy):
+        with torch.autocast("cuda", dtype=torch.float16):
+            model(x)  # lazy initialisation may synchronise once; a finite batch, so the stats update
+        x[5, 3] = bad
+        before = (bn.running_mean.clone(), bn.running_var.clone())
+        handled = sum(amp_bn_fix.report()["handled"].values())
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autocast("cuda", dtype=torch.float16):
+                model(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum(amp_bn_fix.report()["handled"].values()) - handled == 1  # the shim's call, not torch's
+    assert amp_bn_fix.report(model)["guard_skips"].get("0") == 1
+    # The guard's promise: the running stats as they were before the call, bit for bit.
+    for after, was in zip((bn.running_mean, bn.running_var), before):
+        assert after.dtype is torch.float32
+        assert torch.equal(after.view(torch.int32), was.view(torch.int32))
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_training_step_captured_in_a_cuda_graph_replays_as_eager_runs_it(policy):
     import copy
@@ -170,6 +204,157 @@ def test_a_training_step_captured_in_a_cuda_graph_replays_as_eager_runs_it(polic
         assert got.num_batches_tracked.item() == want.num_batches_tracked.item() == 6
     for got, want in zip(graphed.parameters(), eager.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+def _int_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_captured_training_step_replays_a_non_finite_batch_with_the_guard_and_counts_only_the_capture(policy):
+    # Forward and backward (no optimizer step: a non-finite batch would put NaN into the weights, and
+    # GradScaler's skip reads the device, which a capture does not allow). The eager twin takes the
+    # same steps, the non-finite batch included.
+    import copy
+
+    torch.manual_seed(0)
+    eager = small_net()
+    graphed = copy.deepcopy(eager)
+    data = [torch.randn(8, 3, 16, 16, device="cuda") for _ in range(6)]
+    bad = 4  # the second replay's batch
+    data[bad][0, 0, 0, 0] = float("inf")
+
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=True)
+        loss_of(model, x).backward()
+
+    names = [name for name, m in graphed.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    with amp_bn_fix.configure(policy=policy):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for x in data[:3]:
+                step(graphed, x)
+        torch.cuda.current_stream().wait_stream(side)
+        for x in data[:3]:
+            step(eager, x)
+        torch.cuda.synchronize()
+        before = amp_bn_fix.report()
+        static_x = data[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        graphed.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            loss_of(graphed, static_x).backward()
+            with pytest.raises(RuntimeError, match="CUDA graph is captured"):
+                amp_bn_fix.report()  # it would read the device: refused, and the capture goes on
+        for i in range(3, len(data)):
+            static_x.copy_(data[i])
+            kept = [(bn.running_mean.clone(), bn.running_var.clone()) for bn in batch_norms(graphed)]
+            graph.replay()
+            step(eager, data[i])
+            if i == bad:  # the guard held every BatchNorm's stats, bit for bit
+                for bn, (mean, var) in zip(batch_norms(graphed), kept):
+                    assert torch.equal(_int_bits(bn.running_mean), _int_bits(mean))
+                    assert torch.equal(_int_bits(bn.running_var), _int_bits(var))
+    torch.cuda.synchronize()
+    for got, want in zip(batch_norms(graphed), batch_norms(eager)):
+        torch.testing.assert_close(got.running_mean, want.running_mean, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(got.running_var, want.running_var, rtol=1e-3, atol=1e-5)
+        assert got.num_batches_tracked.item() == want.num_batches_tracked.item() == 6
+    after = amp_bn_fix.report(graphed)
+    # The capture is counted once, as handled and as captured; the replays nowhere; the eager
+    # twin's calls as always.
+    handled = sum(after["handled"].values()) - sum(before["handled"].values())
+    assert handled == len(names) + len(data[3:]) * len(names)
+    captured = after["captured"].get(policy, 0) - before.get("captured", {}).get(policy, 0)
+    assert captured == len(names)
+    # The guard's decisions in the replays are not counted (the eager twin's are).
+    assert not set(after["guard_skips"]) & set(names)
+    eager_skips = amp_bn_fix.report(eager)["guard_skips"]
+    assert {name: eager_skips.get(name) for name in names} == {name: 1 for name in names}
+
+
+@pytest.mark.parametrize("autocast, start", [(True, "cast"), (False, "cast"), (True, "fresh copy")],
+                         ids=["autocast", "no-autocast", "autocast-no-master-before-the-capture"])
+def test_a_half_models_master_captured_in_a_cuda_graph_stays_fp32_accurate(autocast, start):
+    # A model cast with .half() keeps each BatchNorm's FP32 master beside its 16-bit buffers. The
+    # replays update the master (not the rounded buffers), a checkpoint loaded between replays is
+    # what the next replay goes on from, and a master the capture had to make is started from the
+    # buffers once, not at every replay. Reference: the same updates in float64.
+    import copy
+
+    from _bounds import assert_near
+    from _shared import ORIGINAL
+    from amp_bn_fix import _master
+
+    torch.manual_seed(0)
+    fp32 = nn.BatchNorm2d(8)
+    with torch.no_grad():
+        fp32.running_mean.uniform_(-1, 1)
+        fp32.running_var.uniform_(0.5, 2)
+    mean64, var64 = fp32.running_mean.double().cuda(), fp32.running_var.double().cuda()
+    model = nn.Sequential(fp32).cuda().half()  # the cast starts the master from the FP32 stats
+
+    def batch(step: int) -> torch.Tensor:
+        generator = torch.Generator(device="cuda").manual_seed(step)
+        # Small updates (a few thousandths a step, near 2) that 16-bit stats lose.
+        return (torch.randn(16, 8, 8, 8, device="cuda", generator=generator) * 0.05 + 2).half()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.float16, enabled=autocast, cache_enabled=False):
+            return model(x)
+
+    def reference(x: torch.Tensor) -> None:
+        ORIGINAL(x.double(), mean64, var64, None, None, True, 0.1, 1e-5)
+        # What a master started again from the 16-bit buffers at every replay would hold.
+        ORIGINAL(x.double(), rounded[0], rounded[1], None, None, True, 0.1, 1e-5)
+        for stat in rounded:
+            stat.copy_(stat.half().double())
+
+    rounded = [mean64.clone(), var64.clone()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for step in range(3):
+            x = batch(step)
+            forward(x)
+            reference(x)
+    torch.cuda.current_stream().wait_stream(side)
+    if start == "fresh copy":  # no master: the capture makes one, which holds nothing yet
+        model = copy.deepcopy(model)
+        assert _master.peek(model[0].running_mean, model[0].running_var) is None
+        mean64, var64 = model[0].running_mean.double(), model[0].running_var.double()
+        rounded = [mean64.clone(), var64.clone()]
+    bn = model[0]
+    before = amp_bn_fix.report().get("captured", {})
+    static_x = batch(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward(static_x)
+    for step in range(3, 203):
+        if step == 103:  # a checkpoint loaded between replays: the next replay goes on from it
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            state["0.running_mean"] += 0.25
+            model.load_state_dict(state)
+            mean64, var64 = bn.running_mean.double(), bn.running_var.double()
+            rounded = [mean64.clone(), var64.clone()]
+        x = batch(step)
+        static_x.copy_(x)
+        graph.replay()
+        reference(x)
+    torch.cuda.synchronize()
+    assert sum(amp_bn_fix.report()["captured"].values()) - sum(before.values()) == 1
+    master = _master.peek(bn.running_mean, bn.running_var)
+    assert master is not None and master.dtype is torch.float32
+    assert bn.running_mean.dtype is torch.float16
+    # FP32 accuracy, as in test_half_models: about ten updates' errors (the momentum forgets older ones).
+    n = 16 * 8 * 8
+    assert_near(master[0], mean64, n, ops=30, scale=mean64.abs().max().item() + 1, what="mean")
+    assert_near(master[1], var64, n, ops=30, scale=var64.abs().max().item(), what="var")
+    assert torch.equal(bn.running_mean, master[0].half()) and torch.equal(bn.running_var, master[1].half())
+    ours = (master[1].double() - var64).abs().max()
+    theirs = (rounded[1] - var64).abs().max()
+    assert ours < theirs / 10
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import re
 import pytest
 
 import amp_bn_fix
+import amp_bn_fix.testing
 from _amp_bn_fix_boot import cli, settings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -47,8 +48,8 @@ def code_commands():
 # ------------------------------------------------------------------------------ docstring examples
 
 # Where the public API is documented: the package (Config included: it is public there, and says
-# so in its __module__), and the settings module it comes from.
-MODULES = [amp_bn_fix, settings]
+# so in its __module__), its testing helpers, and the settings module it comes from.
+MODULES = [amp_bn_fix, amp_bn_fix.testing, settings]
 
 
 def examples(module):
@@ -77,7 +78,7 @@ def test_docstring_examples(module, saved_settings):
 def test_the_public_api_is_documented_with_examples():
     documented = {test.name.rpartition(".")[2] for module in MODULES for test in examples(module)}
     for name in ("enable", "disable", "is_enabled", "get_policy", "set_policy", "policy", "configure", "get_config",
-                 "Config", "describe"):
+                 "Config", "describe", "device_route"):
         assert name in documented, f"{name} has no docstring example"
 
 

@@ -1,5 +1,7 @@
 """Mixed-dtype calls: half input with FP32 running stats (what ``model.half()`` leaves with the shim)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,3 +119,90 @@ def test_half_model_trains_and_evaluates_outside_autocast(dtype, keep):
     assert_near(bn.running_mean, stats64[0], n, what="running mean")
     assert_near(bn.running_var, stats64[1], n, what="running var")
     assert_near(eval_out, ORIGINAL(eval_in.double(), *stats64, weight, bias, False, bn.momentum, bn.eps), n)
+
+
+# --- an FP32 input next to 16-bit weights or stats -------------------------------------------------
+
+# A half model whose BatchNorm receives an FP32 input under autocast: under the ``fp32`` policy an
+# earlier BatchNorm's FP32 output reaches a later one through a pooling (DenseNet's transitions)
+# or a concatenation with a 16-bit branch (which autocast promotes to FP32).
+def _pooled(channels):
+    return nn.Sequential(nn.Conv2d(3, channels, 3), nn.BatchNorm2d(channels), nn.AvgPool2d(2), nn.BatchNorm2d(channels))
+
+
+class _Concatenated(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv, self.bn1, self.bn2 = nn.Conv2d(3, channels, 3), nn.BatchNorm2d(channels), nn.BatchNorm2d(2 * channels)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn2(torch.cat((self.bn1(y), y), 1))
+
+
+@pytest.mark.usefixtures("both_routes")
+@pytest.mark.parametrize("make", [_pooled, _Concatenated], ids=["pooled", "concatenated"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_an_fp32_input_next_to_a_half_models_weights_is_computed_under_autocast(make, dtype, training):
+    torch.manual_seed(0)
+    net = make(4).to(dtype).train(training)
+    last = net[-1] if isinstance(net, nn.Sequential) else net.bn2
+    seen = []
+    last.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach().clone()))
+    before = (last.running_mean.double(), last.running_var.double())
+    x = torch.randn(8, 3, 10, 10).to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        out = net(x)
+    (bn_input,) = seen
+    assert bn_input.dtype is torch.float32  # what the fp32 policy handed on
+    assert out.dtype is torch.float32
+    # float64 reference on the very input, with the module's 16-bit weight and stats as values.
+    mean64, var64 = before
+    expected = ORIGINAL(bn_input.double(), mean64, var64, last.weight.double(), last.bias.double(), training,
+                        last.momentum, last.eps)
+    n = bn_input.numel() // bn_input.shape[1]
+    assert_near(out, expected, n, what="output")
+    if training:
+        from amp_bn_fix import _master
+
+        master = _master.peek(last.running_mean, last.running_var)
+        assert master is not None and last.running_mean.dtype is dtype
+        assert_near(master[0], mean64, n, what="running mean (master)")
+        assert_near(master[1], var64, n, what="running var (master)")
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_outside_autocast_an_fp32_input_next_to_half_weights_keeps_torchs_error(dtype):
+    bn = nn.BatchNorm2d(4).to(dtype)
+    x = torch.randn(2, 4, 3, 3)
+    with pytest.raises(RuntimeError) as ours:
+        bn(x)
+    with amp_bn_fix._patch.uninstalled(), pytest.raises(RuntimeError) as theirs:
+        bn(x)
+    assert str(ours.value) == str(theirs.value)
+
+
+# --- torch.func.vmap: autocast casts nothing there ----------------------------------------------
+
+@pytest.mark.parametrize("policy", ["fp32", "input", "autocast"])
+def test_an_ensemble_of_half_models_under_vmap_runs_as_in_plain_torch(policy):
+    """Under vmap CPU autocast casts nothing, though torch.is_autocast_enabled reads true: a half
+    model there runs in half precision, and the shim must not hand its next layer an FP32 tensor."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 3)).half() for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(models)
+    base = models[0]
+    x = torch.randn(2, 3, 8, 8).half()
+
+    def run(p, b):
+        return torch.func.functional_call(base, (p, b), (x,))
+
+    outs = []
+    for installed in (True, False):
+        with (contextlib.nullcontext() if installed else amp_bn_fix._patch.uninstalled()), amp_bn_fix.policy(policy):
+            with torch.autocast("cpu", dtype=torch.float16):
+                outs.append(torch.func.vmap(run)({k: v.clone() for k, v in params.items()},
+                                                 {k: v.clone() for k, v in buffers.items()}))
+    assert outs[0].dtype is outs[1].dtype is torch.float16
+    assert torch.equal(outs[0], outs[1])

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 import amp_bn_fix
 from _bounds import assert_near, assert_within, rounding_bound, same_computation_bound
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env, compare_outcomes, outcome
-from amp_bn_fix import _decide, _patch
+from amp_bn_fix import _doors, _patch, _plan
 
 
 
@@ -367,13 +367,13 @@ class PassThroughTensor(torch.Tensor):
 def policy_calls(monkeypatch):
     """The input dtype of every call the policy decided on (re-entered calls never get there)."""
     calls = []
-    real = _decide.plan
+    real = _plan.plan
 
-    def spy(call, *args):
-        calls.append(call.input.dtype)
-        return real(call, *args)
+    def spy(call, *args, **kwargs):
+        calls.append(call[0].dtype)
+        return real(call, *args, **kwargs)
 
-    monkeypatch.setattr(_decide, "plan", spy)
+    monkeypatch.setattr(_doors, "plan", spy)
     return calls
 
 

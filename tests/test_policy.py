@@ -11,7 +11,7 @@ from torch import nn
 import amp_bn_fix
 from _bounds import assert_near, batch_norm_scales
 from _shared import ORIGINAL
-from amp_bn_fix import _decide, _patch
+from amp_bn_fix import _plan, _state
 
 LOW = [torch.float16, torch.bfloat16]
 # (module class, input shape): BatchNorm1d takes (N, C) and (N, C, L).
@@ -240,7 +240,7 @@ def test_shim_and_its_fp64_reference_agree_with_numpy():
 def test_bind_has_the_signature_of_f_batch_norm():
     import inspect
 
-    ours = inspect.signature(_decide.bind)
+    ours = inspect.signature(_plan.bind)
     theirs = inspect.signature(ORIGINAL)
     assert [(p.name, p.default, p.kind) for p in ours.parameters.values()] == [
         (p.name, p.default, p.kind) for p in theirs.parameters.values()
@@ -248,11 +248,12 @@ def test_bind_has_the_signature_of_f_batch_norm():
 
 
 def test_policy_logic_is_stateless_and_device_agnostic():
-    """``plan`` depends only on its arguments and the autocast state of the input's device."""
-    call = _decide.bind(torch.zeros(2, 3, dtype=torch.bfloat16), None, None)
+    """``plan`` depends only on its arguments, the policy and the autocast state of the input's device."""
+    call = _plan.bind(torch.zeros(2, 3, dtype=torch.bfloat16), None, None)
 
     def out_dtype(policy, call):
-        plan = _decide.plan(call, policy, True, "none")
+        with amp_bn_fix.policy(policy):
+            plan = _plan.plan(call)
         return None if plan is None else plan.out_dtype
 
     assert out_dtype("fp32", call) is None  # no autocast, nothing mixed
@@ -261,7 +262,7 @@ def test_policy_logic_is_stateless_and_device_agnostic():
         assert out_dtype("input", call) is torch.bfloat16
         assert out_dtype("autocast", call) is torch.float16
         assert out_dtype("off", call) is None
-    meta = _decide.bind(torch.zeros(2, 3, dtype=torch.bfloat16, device="meta"), None, None)
+    meta = _plan.bind(torch.zeros(2, 3, dtype=torch.bfloat16, device="meta"), None, None)
     with torch.autocast("cpu", dtype=torch.float16):
         assert out_dtype("fp32", meta) is None  # autocast is on for cpu, not meta
-    assert _patch.active_policy() == "fp32"
+    assert _state.policy() == "fp32"

@@ -25,7 +25,7 @@ from torch import nn
 import amp_bn_fix
 from _bounds import assert_near, assert_within, fp32_bound, rounding_bound, same_computation_bound
 from _shared import ORIGINAL, assert_stats_replayed, record_inputs
-from amp_bn_fix import _patch
+from amp_bn_fix import _patch, _state
 
 # TorchScript, jit.trace and jit.save/load say they are deprecated; these tests use them on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.* is deprecated:DeprecationWarning")
@@ -378,7 +378,7 @@ def test_strict_export_leaves_no_compiled_policy_behind(monkeypatch):
     # Strict export traces with dynamo, but keeps no compiled code: a later policy() block (the
     # error message above recommends one) must not warn that it misses compiled code.
     monkeypatch.setattr(_patch, "_warned_compiled_scope", False)
-    monkeypatch.setattr(_patch, "_compiled_policies", set())
+    monkeypatch.setattr(_state, "compiled_policies", set())
     with autocast():
         torch.export.export(conv_bn(), (image(),), strict=True)
     with warnings.catch_warnings():
@@ -466,7 +466,7 @@ def test_fake_tensor_mode_runs_forward_and_backward(training):
 
 @pytest.mark.slow
 def test_torch_compile_inductor_training_matches_eager(monkeypatch):
-    monkeypatch.setattr(_patch, "_compiled_policies", set())  # forget this compile afterwards
+    monkeypatch.setattr(_state, "compiled_policies", set())  # forget this compile afterwards
     torch._dynamo.reset()
     eager, compiled_model, x = conv_bn(), conv_bn(), image()
     inputs = record_inputs(eager[1])
@@ -580,7 +580,7 @@ def bn_dtype():
 @pytest.fixture
 def nothing_compiled(monkeypatch):
     # Code compiled by earlier tests would make a scope warn that it does not reach that code.
-    monkeypatch.setattr(_patch, "_compiled_policies", set())
+    monkeypatch.setattr(_state, "compiled_policies", set())
 
 
 @pytest.mark.usefixtures("nothing_compiled")

@@ -1,0 +1,229 @@
+"""The doors: every way a batch norm reaches the shim, each the same four steps.
+
+Arguments (bound by name where they do not come in ``F.batch_norm``'s order), then the one plan
+(``_plan.plan``), then the one compute (``_compute.run``) or torch, then the count (``_record``):
+
+* :func:`batch_norm`: the wrapper of ``torch.nn.functional.batch_norm``, and the core of the
+  dispatcher kernel for ``aten::batch_norm`` (:func:`batch_norm_kernel`), which sees every other
+  way to the op under autocast (``torch.batch_norm``, TorchScript, ``torch.jit.trace``, the
+  tracers under ``torch.compile``).
+* :func:`instance_norm_kernel`: ``aten::instance_norm`` under autocast, one batch norm over the
+  samples' channels.
+* :func:`sync_batch_norm`: the wrapper of ``SyncBatchNorm.apply``, nn.SyncBatchNorm's syncing path.
+
+While a door runs a call it has decided, computed or passed to torch, this thread's flag
+(``_state.thread.inside``) is set: a tensor subclass or TorchFunctionMode that calls
+``F.batch_norm`` again, and the op ``F.batch_norm`` reaches (the dispatcher kernel), go straight
+to torch, so a call is decided and counted once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch.overrides import has_torch_function_variadic
+
+from . import _compute, _guard, _master, _record, _state, _tuning
+from ._compat import exclude_autocast, foreach_copy, restore_autocast, untraced
+from ._plan import LOW_PRECISION, bind, plan
+
+_thread = _state.thread
+_counts = _record.counts
+_has_torch_function = has_torch_function_variadic
+# Below the dispatcher kernels, ops run as ``torch.batch_norm``'s binding (a few microseconds less
+# than the op looked up in ``torch.ops``) unless a tensor or an active mode overrides torch
+# functions: that layer saw the call before it reached the dispatcher, and must not see it twice.
+_aten_batch_norm = torch.ops.aten.batch_norm.default
+_aten_instance_norm = torch.ops.aten.instance_norm.default
+_torch_batch_norm = torch.batch_norm
+_torch_instance_norm = torch.instance_norm
+
+
+def _passed(running_mean: Any, training: Any) -> None:
+    """Count a call left to torch; in training torch updates the stats, and their master no longer holds."""
+    _counts.passed += 1
+    if training and running_mean is not None:
+        _master.forget(running_mean)
+
+
+def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The wrapper of ``F.batch_norm`` (wrapt's signature): ``wrapped`` is torch's computation."""
+    if _thread.inside or not _state.active:  # decided already, or a reference kept after disable()
+        return wrapped(*args, **kwargs)
+    if len(args) == 8 and not kwargs:  # the call BatchNorm modules make: no binding needed
+        call = args
+    else:
+        try:
+            call = bind(*args, **kwargs)
+        except TypeError:  # malformed: torch's own error
+            call = (None,) * 8
+    decided = plan(call)
+    _thread.inside = True
+    try:
+        if decided is None:
+            _passed(call[1], call[5])
+            return wrapped(*args, **kwargs)
+        out = _compute.run(wrapped, call, decided)
+    finally:
+        _thread.inside = False
+    _record.handled(decided.counted_as)  # once computed: a call that raises was not handled
+    return out
+
+
+def _below_autocast(device_type: str, op: Any, torch_function: Any, args: tuple) -> torch.Tensor:
+    """The op with ``device_type``'s autocast key excluded: torch's computation below the dispatcher door."""
+    excluded = exclude_autocast(device_type, True)
+    try:
+        if _has_torch_function(*args[:5]):
+            return op(*args)
+        return torch_function(*args)
+    finally:
+        restore_autocast(excluded)
+
+
+def _batch_norm_below_autocast(device_type: str, cudnn_enabled: bool, input: torch.Tensor,
+                               running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                               weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                               training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> torch.Tensor:
+    """``aten::batch_norm`` below the door, with ``F.batch_norm``'s signature (what the compute calls)."""
+    args = (input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
+    return _below_autocast(device_type, _aten_batch_norm, _torch_batch_norm, args)
+
+
+def batch_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
+    """The dispatcher kernel of ``aten::batch_norm`` at ``device_type``'s autocast key."""
+
+    def batch_norm_at_autocast(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                               running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                               training: bool, momentum: float, eps: float, cudnn_enabled: bool) -> torch.Tensor:
+        below = functools.partial(_batch_norm_below_autocast, device_type, cudnn_enabled)
+        return batch_norm(below, None, (input, running_mean, running_var, weight, bias, training, momentum, eps), {})
+
+    return batch_norm_at_autocast
+
+
+def _repeat(t: Optional[torch.Tensor], times: int) -> Optional[torch.Tensor]:
+    return None if t is None else t.repeat(times)
+
+
+def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
+    """The dispatcher kernel of ``aten::instance_norm`` at ``device_type``'s autocast key.
+
+    Like ATen: sample ``i``'s channels become channels of one batch norm over ``(1, N*C, ...)``,
+    with ``N`` copies of weight, bias and running stats, and in training the module's stats become
+    the mean of their updated copies. Unlike ATen (torch 2.13), which casts the copies to the
+    input's dtype, so that FP32 stats are updated in 16 bits, the copies keep the stats' dtype:
+    the compute updates them in FP32, and the guard judges their average on the module's stats
+    (one record per module, named by ``report(model)``). A call left to torch is torch's own.
+    """
+
+    def instance_norm_at_autocast(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                                  running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                                  use_input_stats: bool, momentum: float, eps: float,
+                                  cudnn_enabled: bool) -> torch.Tensor:
+        args = (input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled)
+        if _thread.inside:
+            return _below_autocast(device_type, _aten_instance_norm, _torch_instance_norm, args)
+        decided = None
+        # 16-bit calls with a batch dimension, and stats in eval: a malformed call gets torch's own error.
+        if (input.dtype in LOW_PRECISION and input.dim() >= 2
+                and (use_input_stats or (running_mean is not None and running_var is not None))):
+            n, c = input.shape[0], input.shape[1]
+            mean_copies, var_copies = _repeat(running_mean, n), _repeat(running_var, n)
+            x = input.contiguous().view((1, n * c) + tuple(input.shape[2:]))
+            call = (x, mean_copies, var_copies, _repeat(weight, n), _repeat(bias, n), use_input_stats, momentum, eps)
+            decided = plan(call, guard=False)  # the copies are not the module's stats: their average is guarded
+        _thread.inside = True
+        try:
+            if decided is None:
+                _counts.passed += 1
+                return _below_autocast(device_type, _aten_instance_norm, _torch_instance_norm, args)
+            below = functools.partial(_batch_norm_below_autocast, device_type, cudnn_enabled)
+            out = _compute.run(below, call, decided)
+            if use_input_stats:
+                _average_copies(running_mean, running_var, mean_copies, var_copies, n, c)
+        finally:
+            _thread.inside = False
+        _record.handled(decided.counted_as)
+        return out.view(input.shape)
+
+    return instance_norm_at_autocast
+
+
+@torch.no_grad()
+def _average_copies(running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                    mean_copies: Optional[torch.Tensor], var_copies: Optional[torch.Tensor], n: int, c: int) -> None:
+    """ATen's update of InstanceNorm's stats, each the mean of its ``n`` updated copies, guarded."""
+    if running_mean is None or running_var is None:  # one statistic: nothing for the guard to pair
+        for stat, copies in ((running_mean, mean_copies), (running_var, var_copies)):
+            if stat is not None and copies is not None:
+                stat.copy_(copies.view(n, c).mean(0))
+        return
+    eager = untraced(running_mean, running_var)
+    guard = _state.config.guard and eager and running_mean.shape == running_var.shape
+    host = _tuning.host_route(running_mean)
+    mean, var, token = _guard.begin(running_mean, running_var, guard, eager, host)
+    foreach_copy((mean, var), (mean_copies.view(n, c).mean(0), var_copies.view(n, c).mean(0)))  # type: ignore[union-attr]
+    _guard.finish(running_mean, running_var, mean, var, token, eager)
+
+
+class SyncCall(NamedTuple):
+    """The arguments of one ``SyncBatchNorm.apply`` call, by name."""
+
+    input: torch.Tensor
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    running_mean: Optional[torch.Tensor]
+    running_var: Optional[torch.Tensor]
+    eps: float
+    momentum: float
+    process_group: Any
+    world_size: int
+
+
+def sync_batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The wrapper of ``SyncBatchNorm.apply`` (more than one rank), under the same plan as ``F.batch_norm``.
+
+    The statistics gathered across ranks and the normalization are FP32 (input, weight, bias and
+    running stats, or their master, handed over as FP32); the output dtype follows the policy.
+    """
+    if _thread.inside or not _state.active:
+        return wrapped(*args, **kwargs)
+    try:
+        call = SyncCall(*args, **kwargs)
+    except TypeError:  # malformed: torch's own error
+        call = SyncCall(*(None,) * 9)
+    # The same call in F.batch_norm's order (the syncing path always trains).
+    as_batch_norm = (call.input, call.running_mean, call.running_var, call.weight, call.bias, True, call.momentum,
+                     call.eps)
+    decided = plan(as_batch_norm)
+    if decided is None:
+        _passed(call.running_mean, True)
+        _thread.inside = True
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _thread.inside = False
+    if decided.recorded:
+        raise RuntimeError(
+            "amp_bn_fix: strict torch.export records the torch.autocast block inside forward() without "
+            f"running it, and SyncBatchNorm's syncing path cannot carry the BatchNorm policy {decided.counted_as!r} "
+            "into the recorded block. Export with strict=False, enter torch.autocast around the export "
+            "call instead, or export with amp_bn_fix.policy('off')."
+        )
+
+    def syncing(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], training: bool, momentum: float,
+                eps: float) -> torch.Tensor:
+        return wrapped(input, weight, bias, running_mean, running_var, eps, momentum, call.process_group,
+                       call.world_size)
+
+    _thread.inside = True
+    try:
+        out = _compute.run(syncing, as_batch_norm, decided, False)
+    finally:
+        _thread.inside = False
+    _record.handled(decided.counted_as)
+    return out

@@ -1,0 +1,152 @@
+"""The running-stat update's guard: a non-finite batch leaves the stats bit for bit.
+
+Two halves around whatever updates the stats (a batch-norm kernel, InstanceNorm's average):
+:func:`begin` hands out the FP32 tensors to update, :func:`finish` decides whether the update stands
+and brings it to the caller's stats. One form per place the decision can be made:
+
+* host (CPU): the stats are updated in place; a snapshot (few channels: Python floats) restores
+  them when the values read on the host are not finite.
+* device (CUDA, or CPU under ``amp_bn_fix.testing.device_route()``): nothing is read on the host.
+  A stacked FP32 copy is updated; one reduction decides on the device and two selects write it back.
+* copies (16-bit stats without a master, tracers, ``torch.func`` transforms): FP32 copies, written
+  back with ordinary in-place ops that every tracer records as buffer updates, behind a select.
+
+FP32 stats with the guard off are updated as they are: torch's own update. The guard needs no
+``torch.no_grad()`` (a microsecond a call): the plan leaves stats that require grad to torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Tuple, Union
+
+import torch
+
+from . import _record
+from ._compat import foreach_copy
+
+_F32 = torch.float32
+_INF = float("inf")
+_vector_norm = torch.linalg.vector_norm
+_dot = torch.dot
+
+# Up to this many channels the host guard keeps and judges the stats as Python floats, with no
+# tensor op: reading 2 x 32 values costs less than an op's dispatch, and in a training loop far
+# less (each op's code and memory come back cold). Beyond, the reads grow with the channels and
+# three ops are cheaper: a joined copy, a dot product of the two stats and its read.
+LISTED_CHANNELS = 32
+
+Snapshot = Union[Tuple[List[float], List[float]], torch.Tensor]
+# What :func:`finish` needs: how the stats were handed out, and the snapshot or the working copy.
+_HOST, _DEVICE, _COPIES = 1, 2, 3
+Token = Optional[Tuple[int, Any]]
+
+
+def begin(mean: torch.Tensor, var: torch.Tensor, guard: bool, eager: bool, host: bool, plain: bool = False
+          ) -> Tuple[torch.Tensor, torch.Tensor, Token]:
+    """The FP32 tensors an update of ``mean`` and ``var`` writes into, and the token :func:`finish` takes.
+
+    ``eager``: plain eager mode (the write-back goes through ``.data``, like torch's kernels'
+    update: no version-counter bump, so an earlier eval call that saved the stats for its backward
+    still works; decisions are counted). ``host``: values may be read on the host. ``plain``: the
+    stats are known to be FP32, 1-D, of one shape with values and on one device, in plain eager
+    mode (a ``plain`` plan's), so none of that is asked again.
+    """
+    fp32 = plain or (mean.dtype is _F32 and var.dtype is _F32)
+    if not guard and fp32:
+        return mean, var, None
+    # Both stats in one working tensor: FP32, of one shape (a mismatch is torch's to report), with
+    # values to decide on, on one device (both on the CPU: cheaper to test than device objects).
+    if plain or (guard and eager and fp32 and mean.numel() == var.numel() > 0
+                 and (mean.dim() == var.dim() == 1 or mean.shape == var.shape)
+                 and ((mean.is_cpu and var.is_cpu) or mean.device == var.device)):
+        if host:
+            # A finite float32 value round-trips exactly through a Python float; a NaN may not (a
+            # signalling one comes back quiet), so stats that are not finite already are copied.
+            if mean.dim() == 1 and mean.numel() <= LISTED_CHANNELS:
+                before = mean.tolist(), var.tolist()
+                if _finite_floats(*before):
+                    return mean, var, (_HOST, before)
+            return mean, var, (_HOST, _joined(mean, var))
+        work = _joined(mean, var).view(2, *mean.shape)
+        work_mean, work_var = work.unbind()
+        return work_mean, work_var, (_DEVICE, work)
+    return _working_copy(mean), _working_copy(var), (_COPIES, guard)
+
+
+def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, updated_var: torch.Tensor,
+          token: Token, eager: bool, counted_for: Optional[torch.Tensor] = None) -> None:
+    """Bring the update into ``mean`` and ``var`` if it is finite (always, when not guarded).
+
+    ``counted_for``: the tensor the decision is recorded for (the module's running mean when
+    these are its FP32 master's rows); ``mean`` itself by default.
+    """
+    if token is None:
+        return
+    kind, data = token
+    if kind == _HOST:
+        if type(data) is tuple:
+            if _finite_floats(mean.tolist(), var.tolist()):
+                return
+        # Their dot product is finite only if every value is (it can also overflow where none is);
+        # when it is not, or the stats are not 1-D (torch's error to report), the values themselves.
+        elif (mean.dim() == 1 and var.dim() == 1 and math.isfinite(_dot(mean, var).item())
+              or bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all())):
+            return
+        _restore(mean, var, data)
+        _record.skipped(mean if counted_for is None else counted_for)
+    elif kind == _DEVICE:
+        finite = _vector_norm(data, _INF) < _INF  # the largest magnitude; NaN propagates
+        torch.where(finite, updated_mean, mean.data, out=mean.data)
+        torch.where(finite, updated_var, var.data, out=var.data)
+        _record.checked_on_device(mean if counted_for is None else counted_for, finite)
+    else:
+        _write_back(mean, var, updated_mean, updated_var, data, eager, mean if counted_for is None else counted_for)
+
+
+def _finite_floats(mean: List[float], var: List[float]) -> bool:
+    # The sum of float32 values in double overflows for no count that fits in memory, so it is
+    # finite exactly when each value is.
+    return math.isfinite(sum(mean) + sum(var))
+
+
+def _restore(mean: torch.Tensor, var: torch.Tensor, before: Snapshot) -> None:
+    if type(before) is tuple:
+        old = torch.tensor(before[0], dtype=mean.dtype), torch.tensor(before[1], dtype=var.dtype)
+    else:
+        old = tuple(before.view(2, *mean.shape).unbind())
+    # .data: an eval call may have saved the stats for its backward.
+    foreach_copy((mean.data, var.data), old)
+
+
+def _joined(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """A copy of both stats in one tensor, ``(2, *shape)`` or, for 1-D stats, flat.
+
+    1-D stats (BatchNorm's) are joined by ``cat``: ``stack`` makes a view of each first, and in a
+    training loop that costs a microsecond or two per call.
+    """
+    return torch.cat((mean, var)) if mean.dim() == 1 else torch.stack((mean, var))
+
+
+def _working_copy(stat: torch.Tensor) -> torch.Tensor:
+    return stat.detach().to(_F32, copy=True)
+
+
+@torch.no_grad()
+def _write_back(mean: torch.Tensor, var: torch.Tensor, new_mean: torch.Tensor, new_var: torch.Tensor,
+                guard: bool, eager: bool, counted_for: torch.Tensor) -> None:
+    """Copy the updated working copies into the stats (only if finite, with ``guard``).
+
+    Outside plain eager mode (tracers, ``torch.func`` transforms, where ``.data`` is invisible or
+    forbidden) an ordinary in-place copy, which every tracer records as a buffer update.
+    """
+    if guard:
+        # A select on the device, no host sync: a non-finite batch leaves the stats as they were.
+        finite = torch.isfinite(torch.cat((new_mean, new_var))).all()
+        new_mean = torch.where(finite, new_mean, mean.to(_F32))
+        new_var = torch.where(finite, new_var, var.to(_F32))
+        if eager:
+            _record.checked_on_device(counted_for, finite)
+    for stat, value in ((mean, new_mean), (var, new_var)):
+        (stat.data if eager else stat).copy_(value)
+
