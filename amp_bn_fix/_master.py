@@ -41,6 +41,7 @@ from . import _record, _state
 from ._compat import foreach_copy
 
 _F32 = torch.float32
+_UninitializedBuffer = torch.nn.parameter.UninitializedBuffer
 
 
 class _Master:
@@ -250,7 +251,8 @@ def apply_carrying_masters(
         return original(*args, **kwargs)  # a malformed call raises torch's own error
     fn, rest, rest_kwargs = _split_fn(args, kwargs)
     mean, var = module._buffers.get("running_mean"), module._buffers.get("running_var")
-    if mean is None or var is None or mean.is_meta:
+    # A lazy module before its first batch has no values yet: torch's cast sets the dtype it will have.
+    if mean is None or var is None or isinstance(mean, _UninitializedBuffer) or mean.is_meta:
         return original(*args, **kwargs)
     kept = peek(mean, var) if mean.dtype in _HALF else None
     if kept is None and mean.dtype is torch.float32 and var.dtype is torch.float32:

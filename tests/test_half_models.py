@@ -280,3 +280,23 @@ def test_eval_of_a_half_model_reads_the_master(keep):
                             bn.weight.double(), bn.bias.double(), False, 0.1, bn.eps)
         assert_near(out, expected, 4 * 8 * 8)
     assert out.dtype is torch.float32
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_a_lazy_model_cast_before_its_first_batch_is_cast_as_plain_torch_casts_it(dtype):
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.LazyConv2d(8, 3), nn.LazyBatchNorm2d()).to(dtype)
+
+    ours = make()
+    with _patch.uninstalled():
+        theirs = make()
+    x = torch.randn(4, 3, 8, 8).to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        out = ours(x)
+    # Materialized 16-bit, the model gets its FP32 master at its first handled call.
+    assert out.dtype is torch.float32 and _master.peek(ours[1].running_mean, ours[1].running_var) is not None
+    assert [b.dtype for b in ours.buffers()] == [dtype, dtype, torch.int64]
+    with _patch.uninstalled():
+        theirs(x)
+    assert [b.dtype for b in theirs.buffers()] == [b.dtype for b in ours.buffers()]
