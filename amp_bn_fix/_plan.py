@@ -137,7 +137,8 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
         # Next to 16-bit weights or stats: under autocast, what the ``fp32`` policy hands a half
         # model's next BatchNorm (through a concatenation or a pooling), which torch rejects.
         # Computed under the policy; outside autocast such a mix keeps torch's own error.
-        if policy == "off" or _left_to_torch(call) or not autocast_enabled(device_type):
+        if (policy == "off" or not _any_16_bit(mean, var, weight, bias) or _left_to_torch(call)
+                or not autocast_enabled(device_type)):
             return None
         master = config.keep_fp32 == "master" and _has_16_bit_stats(mean, var)
         guard = guard and _on_device_of(input, mean, var)
