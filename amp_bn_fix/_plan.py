@@ -133,17 +133,9 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
         if region_dtype is not None:
             out_dtype = None if policy == "input" else _out_dtype(policy, device_type, _F32, region_dtype)
             return Plan(out_dtype, guard, policy, recorded=True)
-    if dtype is _F32:
-        # Next to 16-bit weights or stats: under autocast, what the ``fp32`` policy hands a half
-        # model's next BatchNorm (through a concatenation or a pooling), which torch rejects.
-        # Computed under the policy; outside autocast such a mix keeps torch's own error.
-        if (policy == "off" or not _any_16_bit(mean, var, weight, bias) or _left_to_torch(call)
-                or not autocast_enabled(device_type)):
-            return None
-        master = config.keep_fp32 == "master" and _has_16_bit_stats(mean, var)
-        guard = guard and _on_device_of(input, mean, var)
-        return Plan(_out_dtype(policy, device_type, dtype), guard, policy, master)
-    if _left_to_torch(call):
+    # An FP32 input is the shim's only next to 16-bit weights or stats: what the ``fp32`` policy
+    # hands a half model's next BatchNorm (through a concatenation or a pooling), which torch rejects.
+    if (dtype is _F32 and not _any_16_bit(mean, var, weight, bias)) or _left_to_torch(call):
         return None
     if policy == "off":
         return Plan(dtype, False, "input") if _left_by_keep_stats(call, dtype) else None
@@ -153,6 +145,8 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
     guard = guard and not input.is_meta and _on_device_of(input, mean, var)
     if autocast_enabled(device_type):
         return Plan(_out_dtype(policy, device_type, dtype), guard, policy, master)
+    if dtype is _F32:  # outside autocast such a mix keeps torch's own error
+        return None
     # Outside autocast the caller chose half precision; only the arithmetic is FP32. Computed when
     # torch's kernels would reject the dtypes, or to keep an FP32 master up to date.
     master = master and _master.is_kept(mean, var)  # type: ignore[arg-type]
