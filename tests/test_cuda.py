@@ -156,6 +156,19 @@ def test_the_guard_keeps_the_stats_through_a_non_finite_fp16_batch_with_no_host_
         assert torch.equal(after.view(torch.int32), was.view(torch.int32))
 
 
+def _warm_up(step, graphed: nn.Module, eager: nn.Module, batches) -> None:
+    """The steps before a capture, on a side stream as torch's documentation asks; the eager twin
+    takes the same steps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in batches:
+            step(graphed, x)
+    torch.cuda.current_stream().wait_stream(side)
+    for x in batches:
+        step(eager, x)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_training_step_captured_in_a_cuda_graph_replays_as_eager_runs_it(policy):
     import copy
@@ -174,16 +187,7 @@ def test_a_training_step_captured_in_a_cuda_graph_replays_as_eager_runs_it(polic
         return loss
 
     with amp_bn_fix.configure(policy=policy):
-        # Warm-up on a side stream, as torch's documentation asks before a capture; the eager
-        # twin takes the same steps.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for x in data[:3]:
-                step(graphed, x)
-        torch.cuda.current_stream().wait_stream(side)
-        for x in data[:3]:
-            step(eager, x)
+        _warm_up(step, graphed, eager, data[:3])
         static_x = data[0].clone()
         graph = torch.cuda.CUDAGraph()
         optimizers[id(graphed)].zero_grad(set_to_none=True)
@@ -230,14 +234,7 @@ def test_a_captured_training_step_replays_a_non_finite_batch_with_the_guard_and_
 
     names = [name for name, m in graphed.named_modules() if isinstance(m, nn.BatchNorm2d)]
     with amp_bn_fix.configure(policy=policy):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for x in data[:3]:
-                step(graphed, x)
-        torch.cuda.current_stream().wait_stream(side)
-        for x in data[:3]:
-            step(eager, x)
+        _warm_up(step, graphed, eager, data[:3])
         torch.cuda.synchronize()
         before = amp_bn_fix.report()
         static_x = data[0].clone()
