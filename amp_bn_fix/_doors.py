@@ -166,7 +166,7 @@ def _average_copies(running_mean: Optional[torch.Tensor], running_var: Optional[
     host = _tuning.host_route(running_mean)
     mean, var, token = _guard.begin(running_mean, running_var, guard, eager, host)
     foreach_copy((mean, var), (mean_copies.view(n, c).mean(0), var_copies.view(n, c).mean(0)))  # type: ignore[union-attr]
-    _guard.finish(running_mean, running_var, mean, var, token, eager)
+    _guard.finish(running_mean, running_var, mean, var, token, eager, running_mean)
 
 
 class SyncCall(NamedTuple):

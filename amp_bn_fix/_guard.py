@@ -75,11 +75,11 @@ def begin(mean: torch.Tensor, var: torch.Tensor, guard: bool, eager: bool, host:
 
 
 def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, updated_var: torch.Tensor,
-          token: Token, eager: bool, counted_for: Optional[torch.Tensor] = None) -> None:
+          token: Token, eager: bool, counted_for: torch.Tensor) -> None:
     """Bring the update into ``mean`` and ``var`` if it is finite (always, when not guarded).
 
-    ``counted_for``: the tensor the decision is recorded for (the module's running mean when
-    these are its FP32 master's rows); ``mean`` itself by default.
+    ``counted_for``: the tensor the decision is recorded for, the module's running mean (``mean``
+    itself, or the stats these are its FP32 master's rows of).
     """
     if token is None:
         return
@@ -94,14 +94,14 @@ def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, up
               or bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all())):
             return
         _restore(mean, var, data)
-        _record.skipped(mean if counted_for is None else counted_for)
+        _record.skipped(counted_for)
     elif kind == _DEVICE:
         finite = _vector_norm(data, _INF) < _INF  # the largest magnitude; NaN propagates
         torch.where(finite, updated_mean, mean.data, out=mean.data)
         torch.where(finite, updated_var, var.data, out=var.data)
-        _record.checked_on_device(mean if counted_for is None else counted_for, finite)
+        _record.checked_on_device(counted_for, finite)
     else:
-        _write_back(mean, var, updated_mean, updated_var, data, eager, mean if counted_for is None else counted_for)
+        _write_back(mean, var, updated_mean, updated_var, data, eager, counted_for)
 
 
 def _finite_floats(mean: List[float], var: List[float]) -> bool:

@@ -106,4 +106,4 @@ def guarded_update(mean: torch.Tensor, var: torch.Tensor, host: bool, kernel: An
     try:
         return kernel(work_mean, work_var)
     finally:
-        _guard.finish(mean, var, work_mean, work_var, token, True)
+        _guard.finish(mean, var, work_mean, work_var, token, True, mean)
