@@ -42,9 +42,10 @@ _torch_instance_norm = torch.instance_norm
 
 
 def _passed(running_mean: Any, training: Any) -> None:
-    """Count a call left to torch; in training torch updates the stats, and their master no longer holds."""
+    """Count a call left to torch; in training torch updates the stats, and the master of 16-bit ones
+    (no other kind has one) no longer holds."""
     _counts.passed += 1
-    if training and running_mean is not None:
+    if training and getattr(running_mean, "dtype", None) in LOW_PRECISION:
         _master.forget(running_mean)
 
 
