@@ -5,18 +5,16 @@ Only gathers facts and runs the self-test; the command line formats them.
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 import wrapt
 from _amp_bn_fix_boot import settings
 from _amp_bn_fix_boot._version import __version__
-from torch import nn
 
 from . import _patch
 from ._demo import autocast_devices, cases, report_network

@@ -65,6 +65,12 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
     # ``.data`` write, a Python autograd.Function, a backward hook, scratch tensors).
     eager = plain or plain_eager(input, running_mean, running_var, weight, bias)
     host = eager and _tuning.host_route(input)
+    shown = None
+    if plan.torch_output:
+        # torch's own output (its kernel on the call as given, bit for bit); below, with nothing to
+        # differentiate, only the batch's FP32 statistics are brought to the running stats.
+        shown = original(input, None, None, weight, bias, training, momentum, eps)
+        input, weight, bias = input.detach(), None, None
     if not plain:
         weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
     out_dtype = plan.out_dtype
@@ -74,7 +80,7 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
     try:
         if master:
             # The master takes the update (and is read in eval); it is rounded into the 16-bit buffers.
-            master_values = _master.values(running_mean, running_var)
+            master_values = _master.values(running_mean, running_var, host)
             mean, var = master_values.unbind()
         else:
             mean, var = running_mean, running_var
@@ -93,8 +99,17 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
             if (plain and original is _F_BATCH_NORM and type(eps) is float and eps > 0.0
                     and not function_mode_enabled() and not (training and input.numel() == input.size(1))):
                 original = _torch_f_batch_norm
-            layout = _mixed_kernel_layout(input) if native and eager and out_dtype is input.dtype else None
-            if layout is not None:
+            # With torch's own output, in eager mode only the batch's statistics remain: torch's op
+            # for them updates FP32 stats as its kernels do (no output, about half a batch norm on
+            # CPU). It mutates stats its schema does not mark as written, which tracers would miss.
+            stats_only = shown is not None and eager
+            layout = (_mixed_kernel_layout(input) if native and eager and out_dtype is input.dtype and not stats_only
+                      else None)
+            if stats_only:
+                if input.numel():  # an empty batch leaves the stats, as torch's kernels do
+                    torch.batch_norm_update_stats(input, work_mean, work_var, momentum)
+                out = shown
+            elif layout is not None:
                 if input.is_cpu:
                     out = _kernels.mixed_batch_norm(original, layout, input, work_mean, work_var, weight, bias,
                                                     training, momentum, eps)
@@ -117,6 +132,8 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
                 _master.commit(running_mean, running_var, master_values)
     finally:
         restore_autocast(autocast)
+    if shown is not None:
+        return shown
     return out if out_dtype is None or out.dtype is out_dtype else to_copy(out, out_dtype, eager)
 
 

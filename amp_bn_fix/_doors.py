@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch.overrides import has_torch_function_variadic
 
-from . import _compute, _guard, _master, _record, _state, _tuning
+from . import _compute, _guard, _record, _state, _tuning
 from ._compat import exclude_autocast, foreach_copy, restore_autocast, untraced
 from ._plan import LOW_PRECISION, bind, plan
 
@@ -39,14 +39,6 @@ _aten_batch_norm = torch.ops.aten.batch_norm.default
 _aten_instance_norm = torch.ops.aten.instance_norm.default
 _torch_batch_norm = torch.batch_norm
 _torch_instance_norm = torch.instance_norm
-
-
-def _passed(running_mean: Any, training: Any) -> None:
-    """Count a call left to torch; in training torch updates the stats, and the master of 16-bit ones
-    (no other kind has one) no longer holds."""
-    _counts.passed += 1
-    if training and getattr(running_mean, "dtype", None) in LOW_PRECISION:
-        _master.forget(running_mean)
 
 
 def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -64,7 +56,7 @@ def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple,
     _thread.inside = True
     try:
         if decided is None:
-            _passed(call[1], call[5])
+            _counts.passed += 1
             return wrapped(*args, **kwargs)
         out = _compute.run(wrapped, call, decided)
     finally:
@@ -200,8 +192,11 @@ def sync_batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: t
     as_batch_norm = (call.input, call.running_mean, call.running_var, call.weight, call.bias, True, call.momentum,
                      call.eps)
     decided = plan(as_batch_norm)
-    if decided is None:
-        _passed(call.running_mean, True)
+    # Outside autocast a half model's syncing call is torch's own: its output is torch's, and a
+    # second pass for the master's FP32 update would gather across the ranks again. Its 16-bit
+    # update reaches the master by value at the next call the shim computes.
+    if decided is None or decided.torch_output:
+        _counts.passed += 1
         _thread.inside = True
         try:
             return wrapped(*args, **kwargs)

@@ -85,13 +85,7 @@ def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, up
         return
     kind, data = token
     if kind == _HOST:
-        if type(data) is tuple:
-            if _finite_floats(mean.tolist(), var.tolist()):
-                return
-        # Their dot product is finite only if every value is (it can also overflow where none is);
-        # when it is not, or the stats are not 1-D (torch's error to report), the values themselves.
-        elif (mean.dim() == 1 and var.dim() == 1 and math.isfinite(_dot(mean, var).item())
-              or bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all())):
+        if host_finite(mean, var):
             return
         _restore(mean, var, data)
         _record.skipped(counted_for)
@@ -102,6 +96,16 @@ def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, up
         _record.checked_on_device(counted_for, finite)
     else:
         _write_back(mean, var, updated_mean, updated_var, data, eager, counted_for)
+
+
+def host_finite(mean: torch.Tensor, var: torch.Tensor) -> bool:
+    """Whether every value of ``mean`` and ``var`` is finite, read on the host."""
+    if mean.dim() == 1 and var.dim() == 1 and mean.numel() <= LISTED_CHANNELS:
+        return _finite_floats(mean.tolist(), var.tolist())
+    # Their dot product is finite only if every value is (it can also overflow where none is);
+    # when it is not, or the stats are not 1-D (torch's error to report), the values themselves.
+    return (mean.dim() == 1 and var.dim() == 1 and math.isfinite(_dot(mean, var).item())
+            or bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all()))
 
 
 def _finite_floats(mean: List[float], var: List[float]) -> bool:

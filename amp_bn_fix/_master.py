@@ -7,23 +7,22 @@ optimizers keep master weights: one FP32 ``(2, C)`` tensor per BatchNorm (mean a
 the shim updates where it computes a training call and rounds into the 16-bit buffers after each
 update. Eval calls the shim computes read it, not the rounded buffers.
 
-A master belongs to the very buffer objects it was made for, in the state they were left in: it
-is dropped when either buffer is changed from outside (``load_state_dict``, ``copy_``, any
-in-place op bumps the buffer's version counter; the shim writes through ``.data``, which does
-not), when a call updates the buffers without the shim (``policy("off")``, a device type left
-out, ``disable()``), and with the buffers themselves. A buffer without a master starts one from its
-own values.
+A master belongs to the very buffer objects it was made for, and it holds only while those buffers
+still hold its rounding: every call that uses it first compares them, by value. Whatever changed
+the buffers (``load_state_dict``, an in-place op, a write through ``.data``, a collective such as
+``dist.broadcast``, torch's own update where the shim stepped aside), the master then starts again
+from their values. A write that leaves them as they were leaves the master, which lies within half a
+16-bit step of them, as good as one started from them. On the host route (CPU) the comparison is
+read there; on the device route (CUDA) it is a select on the device, with no read. A master is
+dropped with its buffers and by ``disable()``; buffers without one start one at the next training
+call the shim computes, with autocast or without.
 
-CUDA graphs: a replay runs the device ops captured and no Python, so neither a version counter nor
-a dropped master is seen there. A master that a call uses while a CUDA graph is captured is
-therefore kept by value from then on, for good: every call that uses it, captured or eager, first
-checks on the device (five ops, no read) that it still rounds to the buffers, and starts it again
-from them where it does not (a ``load_state_dict`` between replays, torch's own update). It stays
-the one tensor the graph holds: nothing drops or replaces it while its buffers live, ``disable()``
-included. A captured
-call that finds no master makes one that holds nothing until that check fills it, at the first
-replay (or at an eager call before it): the captured graph never seeds it again from the rounded
-buffers.
+CUDA graphs: a replay runs the device ops captured and no Python. A master that a call uses while a
+CUDA graph is captured is therefore checked on the device from then on (the captured check runs at
+every replay), and it stays the one tensor the graph holds: nothing replaces or drops it while its
+buffers live, ``disable()`` included. A captured call that finds no master makes one that holds
+nothing until that check fills it, at the first replay (or at an eager call before it): the
+captured graph never seeds it again from the rounded buffers.
 
 The cast hook (``_BatchNorm._apply``, patched by ``_patch``) carries masters along, so
 ``.to(device)`` and ``.float()`` lose nothing; with ``keep_fp32`` ``all`` or ``stats`` it keeps the
@@ -37,7 +36,7 @@ from typing import Any, Callable, Dict, FrozenSet, Optional, Set, Tuple
 
 import torch
 
-from . import _record, _state
+from . import _guard, _record, _state, _tuning
 from ._compat import foreach_copy
 
 _F32 = torch.float32
@@ -45,16 +44,15 @@ _UninitializedBuffer = torch.nn.parameter.UninitializedBuffer
 
 
 class _Master:
-    __slots__ = ("mean_ref", "var_ref", "values", "versions", "by_value")
+    __slots__ = ("mean_ref", "var_ref", "values", "captured")
 
-    def __init__(self, running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Tensor,
+    def __init__(self, running_var: torch.Tensor, values: torch.Tensor,
                  on_death: "weakref.ReferenceType[torch.Tensor]") -> None:
         self.mean_ref = on_death
         self.var_ref = weakref.ref(running_var)
         self.values = values
-        self.versions = (running_mean._version, running_var._version)
-        # Checked against the buffers' values, not their versions: a CUDA graph has captured it.
-        self.by_value = False
+        # A CUDA graph holds it: checked on the device, never replaced or dropped.
+        self.captured = False
 
 
 # id(running_mean) -> its master
@@ -62,74 +60,75 @@ _masters: Dict[int, _Master] = {}
 
 
 def _of(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[_Master]:
-    """The master made for these very buffer objects, current or not."""
+    """The master made for these very buffer objects, whether it still holds or not."""
     master = _masters.get(id(running_mean))
     if master is None or master.mean_ref() is not running_mean or master.var_ref() is not running_var:
         return None
     return master
 
 
-def _current(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[_Master]:
+def values(running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -> torch.Tensor:
+    """The FP32 ``(2, C)`` master of these 16-bit stats, checked against them (``host``: read there),
+    or started from their values if there is none."""
     master = _of(running_mean, running_var)
-    if master is None or not (master.by_value or master.versions == (running_mean._version, running_var._version)):
-        return None
-    return master
-
-
-def values(running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
-    """The FP32 ``(2, C)`` master of these 16-bit stats, started from their values if there is none."""
-    master = _of(running_mean, running_var)
-    if master is not None and master.by_value:
-        return _checked_by_value(master.values, running_mean, running_var)
     if not _record.capturing():
-        if master is not None and master.versions == (running_mean._version, running_var._version):
-            return master.values
-        return seed(running_mean, running_var, torch.stack((running_mean, running_var)).to(_F32))
-    # Captured into a CUDA graph: this master is kept by value from now on. One made here holds
-    # nothing yet (the op that made it would run at every replay): the check fills it.
+        if master is None:
+            return seed(running_mean, running_var, torch.stack((running_mean, running_var)).to(_F32))
+        return _checked(master.values, running_mean, running_var, host)
+    # Captured into a CUDA graph: checked on the device from now on. One made here holds nothing
+    # yet (the op that made it would run at every replay): the check fills it.
     if master is None:
         empty = torch.empty((2, *running_mean.shape), dtype=_F32, device=running_mean.device)
         seed(running_mean, running_var, empty)
         master = _masters[id(running_mean)]
-    master.by_value = True
-    return _checked_by_value(master.values, running_mean, running_var)
+    master.captured = True
+    return _checked(master.values, running_mean, running_var, False)
 
 
-def _checked_by_value(values: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
-    """``values``, started again from the buffers unless it rounds to them exactly: on the device, no read.
+def _checked(values: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -> torch.Tensor:
+    """``values``, started again from the buffers unless it rounds to them exactly.
 
     A master that rounds to its buffers is as good as one started from them (both lie within half a
-    16-bit step of them); one that does not (the buffers changed from outside, or it holds nothing
-    yet) takes their values, NaN included. Written through ``.data``: no version bump, as with the
-    rest of the running-stat update.
+    16-bit step of them); one that does not (the buffers were written, or it holds nothing yet)
+    takes their values, NaN included. ``host``: compared there; else a select on the device, no
+    read. Written through ``.data``: no version bump, as with the rest of the running-stat update.
     """
     buffers = torch.stack((running_mean, running_var))
+    if host:
+        if not torch.equal(values.to(buffers.dtype), buffers):
+            values.data.copy_(buffers)
+        return values
     stale = torch.ne(values.to(buffers.dtype), buffers).any()
     torch.where(stale, buffers, values.data, out=values.data)
     return values
 
 
 def peek(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[torch.Tensor]:
-    """The master of these stats if one is kept (nothing is made; one kept by value is checked first)."""
-    master = _current(running_mean, running_var)
+    """The master of these stats, checked against them, if one is kept (nothing is made)."""
+    master = _of(running_mean, running_var)
     if master is None:
         return None
-    return _checked_by_value(master.values, running_mean, running_var) if master.by_value else master.values
+    return _checked(master.values, running_mean, running_var, _tuning.host_route(running_mean))
 
 
-def is_kept(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
-    """Whether these stats have a master (a cheap lookup: the decision asks it outside autocast)."""
-    return _current(running_mean, running_var) is not None
+def holds_more(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
+    """Whether float16 buffers that have a master hold an inf: a running stat beyond 65504, which the
+    master holds finite. An eval call outside autocast then reads the master, where plain torch's
+    gives zeros or NaN. Read on the host route only: on the device route such a call reads the
+    buffers, as torch does (the read would wait for the device at every eval call).
+    """
+    return (running_mean.dtype is torch.float16 and _tuning.host_route(running_mean)
+            and _of(running_mean, running_var) is not None and not _guard.host_finite(running_mean, running_var))
 
 
 def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Keep ``values`` (FP32, ``(2, C)``, on the stats' device) as the master of these stats.
 
-    A master kept by value stays the tensor a CUDA graph holds: it takes ``values`` in place.
+    A master a CUDA graph holds stays that tensor: it takes ``values`` in place.
     """
     key = id(running_mean)
     kept = _of(running_mean, running_var)
-    if (kept is not None and kept.by_value and kept.values.shape == values.shape
+    if (kept is not None and kept.captured and kept.values.shape == values.shape
             and kept.values.device == values.device):
         kept.values.data.copy_(values)
         return kept.values
@@ -138,7 +137,7 @@ def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Te
         if _masters.get(key) is master:
             del _masters[key]
 
-    master = _Master(running_mean, running_var, values, weakref.ref(running_mean, drop))
+    master = _Master(running_var, values, weakref.ref(running_mean, drop))
     _masters[key] = master
     return values
 
@@ -148,17 +147,6 @@ def commit(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.
     foreach_copy((running_mean.data, running_var.data), (values[0], values[1]))
 
 
-def forget(running_mean: torch.Tensor) -> None:
-    """These stats were updated without the shim: their master, if any, no longer holds.
-
-    One kept by value stays (a CUDA graph holds it): its next use starts it again from the buffers.
-    """
-    key = id(running_mean)
-    master = _masters.get(key)
-    if master is not None and not (master.by_value and master.mean_ref() is running_mean):
-        del _masters[key]
-
-
 def clear() -> None:
     """Drop every master (the shim stops watching the buffers: ``disable()``) but those kept by value.
 
@@ -166,7 +154,7 @@ def clear() -> None:
     hand memory the graph writes to other tensors. Checked by value, they are right again whenever
     the shim is enabled anew.
     """
-    for key in [key for key, master in _masters.items() if not master.by_value]:
+    for key in [key for key, master in _masters.items() if not master.captured]:
         del _masters[key]
 
 
@@ -242,10 +230,11 @@ def apply_carrying_masters(
 ) -> torch.nn.Module:
     """Run ``module._apply`` as torch does, the running stats' FP32 master following the cast.
 
-    The module gets exactly torch's tensors. Cast to 16 bits from FP32 stats, the new buffers get a
-    master made from the FP32 values before the cast; moved (``.to(device)``) or cast between 16-bit
-    dtypes, they keep their master, moved along; cast back to FP32 (``.float()``), they take the
-    master's values instead of the rounded ones. Nothing happens for a device type left out.
+    The module gets torch's tensors, of the dtypes torch gives. Cast to 16 bits from FP32 stats, the
+    new buffers get a master made from the FP32 values before the cast; moved (``.to(device)``) or
+    cast between 16-bit dtypes, they keep their master, moved along, and hold its rounding to their
+    new dtype; cast back to FP32 (``.float()``), they take the master's values instead of the
+    rounded ones. Nothing happens for a device type left out.
     """
     if not (args or "fn" in kwargs):
         return original(*args, **kwargs)  # a malformed call raises torch's own error
@@ -262,9 +251,15 @@ def apply_carrying_masters(
 
     def carrying_fn(tensor: torch.Tensor) -> torch.Tensor:
         result = fn(tensor)
-        if (tensor is mean or tensor is var) and result.dtype is torch.float32 and tensor.dtype in _HALF:
+        if not (tensor is mean or tensor is var) or result.is_meta:
+            return result
+        if result.dtype is torch.float32 and tensor.dtype in _HALF:
             # Back to FP32: the master's values, not the rounded ones.
             return kept[0 if tensor is mean else 1].to(result.device, copy=True)
+        if result.dtype in _HALF and tensor.dtype in _HALF and (devices is None or result.device.type in devices):
+            # Between 16-bit dtypes: the master rounded to the new one (a master holds while its
+            # buffers hold its rounding), not the old rounding cast again.
+            return kept[0 if tensor is mean else 1].to(result.device, result.dtype, copy=True)
         return result
 
     out = original(carrying_fn, *rest, **rest_kwargs)

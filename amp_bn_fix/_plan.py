@@ -1,7 +1,9 @@
 """Decide one batch-norm call: whether the shim computes it, and how (:func:`plan`).
 
 Pure and cheap: attribute reads, no tensor op, no state but the settings and scopes (``_state``) and
-whether 16-bit stats have an FP32 master (``_master``). Every door asks :func:`plan` and nothing else.
+whether 16-bit stats have an FP32 master (``_master``); one exception, a float16 model's eval call
+outside autocast, reads on the host whether its buffers overflowed. Every door asks :func:`plan`
+and nothing else.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class Plan(NamedTuple):
     # A call strict torch.export records inside an autocast block without entering it: the input's
     # dtype when the program runs is not known (see ``_compat.recorded_autocast_dtype``).
     recorded: bool = False
+    # A half model's training call outside autocast: the output is torch's kernel's on the call as
+    # given (bit for bit plain torch's), and the shim's FP32 kernel only updates the master.
+    torch_output: bool = False
 
 
 def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
@@ -147,11 +152,13 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
         return Plan(_out_dtype(policy, device_type, dtype), guard, policy, master)
     if dtype is _F32:  # outside autocast such a mix keeps torch's own error
         return None
-    # Outside autocast the caller chose half precision; only the arithmetic is FP32. Computed when
-    # torch's kernels would reject the dtypes, or to keep an FP32 master up to date.
-    master = master and _master.is_kept(mean, var)  # type: ignore[arg-type]
-    if master or _mixed(call, dtype):
+    # Outside autocast the caller chose half precision, and the output is torch's own: a call torch
+    # computes as it is gets torch's kernel, and the master the FP32 update of its running stats
+    # (started here if there is none). A mix torch's kernels reject gets FP32 arithmetic.
+    if _mixed(call, dtype):
         return Plan(dtype, guard, "input", master)
+    if master and (training or _master.holds_more(mean, var)):  # type: ignore[arg-type]
+        return Plan(dtype, guard, "input", True, torch_output=bool(training))
     return None
 
 

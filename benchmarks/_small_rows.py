@@ -123,6 +123,35 @@ def convnet_step(emulate: bool = False) -> Callable[[Bench], None]:
     return run
 
 
+HALF_SHAPES = (TINY_SHAPE, (16, 64, 28, 28))
+
+
+def half_model(emulate: bool = False) -> Callable[[Bench], None]:
+    """A bf16 ``.bfloat16()`` BatchNorm2d (its FP32 master kept), per call: training and eval forward
+    outside autocast (torch's output, the master's FP32 update), and training under autocast."""
+
+    def run(b: Bench) -> None:
+        dtype = torch.bfloat16
+        print(f"[{b.current}] bf16 half-model BatchNorm2d, {_label(emulate)}: shim (default settings) vs disable(); per call")
+        for shape in HALF_SHAPES:
+            bn = nn.BatchNorm2d(shape[1]).to(b.device, dtype)
+            x = half_input(shape, dtype, b.device).detach()
+            calls = (5 if b.quick else 50) if shape is not TINY_SHAPE else (20 if b.quick else 200)
+            for case, training, autocast in (("training forward", True, False), ("eval forward", False, False),
+                                             ("training forward, autocast", True, True)):
+                bn.train(training)
+
+                def call() -> None:
+                    bn(x)
+
+                with path(b, emulate), torch.autocast(b.device, dtype=dtype, enabled=autocast), torch.no_grad():
+                    t = b.compare(call, call, 21, calls, ON, OFF)
+                b.add("half", f"{shape}, {case}" + (", device path" if emulate else ""), "shim", "off", t,
+                      note=f"{t.a_us - t.b_us:+.1f} us per call")
+
+    return run
+
+
 def _handled() -> int:
     return sum(amp_bn_fix.report()["handled"].values())
 

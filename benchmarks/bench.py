@@ -65,6 +65,9 @@ ROWS: List[Spec] = [
           "SGD step of a conv 3->32 + BN + 2 residual conv+BN blocks net, batch 16, 32x32, shim vs disable()."),
     small("aten-ops", _small_rows.aten_ops(), BOTH,
           "Top-level ATen ops of one training and one eval forward of the tiny BatchNorm, shim vs off, per policy."),
+    small("half-model", _small_rows.half_model(), BOTH,
+          "bf16 .bfloat16() BatchNorm2d, (4,16,4,4) and (16,64,28,28): training and eval outside autocast, "
+          "training under it, shim vs disable()."),
     small("tiny-train-device-path", _small_rows.tiny("train", True), CPU, "tiny-train." + DEVICE_PATH),
     small("tiny-fwdbwd-device-path", _small_rows.tiny("fwdbwd", True), CPU, "tiny-fwdbwd." + DEVICE_PATH),
     small("tiny-eval-device-path", _small_rows.tiny("eval", True), CPU, "tiny-eval." + DEVICE_PATH),

@@ -147,7 +147,9 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: Union[flo
                   what: str = "") -> None:
     """|actual - expected| <= ``bound`` (from :func:`rounding_bound` or :func:`fp32_bound`) everywhere."""
     err = (actual.double() - expected.double()).abs()
-    excess = (err - bound).max().item() if err.numel() else 0.0
+    if not err.numel():
+        return
+    excess = (err - bound).max().item()
     worst = torch.as_tensor(bound).max().item()
     assert excess <= 0, f"{what} error {err.max().item():.3g} beyond the bound {worst:.3g}"
 

@@ -16,6 +16,8 @@ the ranks after each backward (what DDP would do; DDP itself refuses CPU SyncBat
 * ``fp32``: an FP32 model trained under ``torch.autocast("cpu", dtype=torch.bfloat16)``.
 * ``half``: ``model.half()`` trained under float16 autocast (the stats' FP32 master).
 * ``nonfinite``: one finite step, then a forward whose batch holds an inf on rank 1 only.
+* ``broadcast``: a half model's BatchNorm trained on each rank's own batches, then its buffers
+  broadcast from rank 0, then evaluated on one input on every rank.
 
 Each rank sees its own batches, of different sizes (the gathered statistics weigh them by count).
 Every SyncBatchNorm call is recorded (its input, parameters, output, running stats, master, and
@@ -292,7 +294,26 @@ def nonfinite_batch(rank: int) -> Dict[str, Any]:
                 warnings=[str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)])
 
 
-SCENARIOS = {"fp32": fp32_model, "half": half_model, "nonfinite": nonfinite_batch}
+def broadcast_buffers(rank: int) -> Dict[str, Any]:
+    """A half model's BatchNorm buffers broadcast from rank 0 (what DDP's ``broadcast_buffers`` does
+    before each forward): a collective write no version counter sees."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3).bfloat16()
+    for i in range(STEPS):  # each rank's own batches: the masters differ
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bn(batch(i, rank)[0].bfloat16())
+    dist.broadcast(bn.running_mean, 0)
+    dist.broadcast(bn.running_var, 0)
+    x = batch(0, 0)[0].bfloat16()  # one input on every rank
+    bn.eval()
+    eval_plain = bn(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eval_autocast = bn(x)
+    master = _master.peek(bn.running_mean, bn.running_var)
+    return dict(buffers=stats_of(bn), eval_plain=eval_plain, eval_autocast=eval_autocast, master=master.clone())
+
+
+SCENARIOS = {"fp32": fp32_model, "half": half_model, "nonfinite": nonfinite_batch, "broadcast": broadcast_buffers}
 
 
 def run_scenario(name: str, rank: int) -> Dict[str, Any]:

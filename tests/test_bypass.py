@@ -18,7 +18,6 @@ from typing import Dict, List, NamedTuple, Tuple
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import amp_bn_fix

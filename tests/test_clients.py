@@ -68,8 +68,9 @@ def assert_calls(report: dict, autocast: bool, weight: str, out: str, input: str
     for call in report["calls"]:
         assert call["training"] is True and call["autocast"] is autocast, call
         assert (call["input"], call["weight"], call["stats"], call["out"]) == (input, weight, stats, out), call
-        # FP32 arithmetic, the output rounded once (bn_probe.Watch measures it against float64).
-        assert call["out_excess"] <= 0, call
+        # Under autocast FP32 arithmetic, the output rounded once (bn_probe.Watch measures it against
+        # float64); outside it torch's own output (bit for bit: test_half_models checks that).
+        assert call["out_excess"] <= 0 or not autocast, call
         # FP32 running-stat updates (bfloat16 stats, as torch keeps them in a bfloat16 model, are ~5e-3 off).
         assert call["stats_excess"] <= 0, call
 
@@ -92,8 +93,8 @@ def test_lightning_true_half_precision(policy, precision, dtype, tmp_path):
 
     Lightning casts with ``module.to(dtype)`` while the shim is enabled: the model is all 16-bit, as
     torch makes it, and the shim keeps the running stats' FP32 master. BatchNorm's calls outside
-    autocast are computed in FP32 against the master (``stats_excess`` measures the master) and
-    returned in the input's dtype whatever the policy.
+    autocast return torch's own output, in the input's dtype whatever the policy, and update the
+    master in FP32 (``stats_excess`` measures it).
     """
     skip_unless_installed("lightning", "pytorch_lightning")
     report = run_client(f"lightning-{precision}", policy, tmp_path, stats=dtype)

@@ -62,7 +62,17 @@ HANDLED = {
     "half-model": (lambda bn: bn.half(), torch.float16, False),
     "half-model-bf16": (lambda bn: bn.bfloat16(), torch.bfloat16, False),
     "keep-all-model": (lambda bn: bn.half(), torch.float16, False),
+    # Cast while the shim was off (or built, loaded or copied so): its first training call starts a master.
+    "half-model-cast-without-shim": (lambda bn: _cast_without_shim(bn, torch.bfloat16), torch.bfloat16, False),
 }
+
+
+def _cast_without_shim(bn, dtype):
+    amp_bn_fix.disable()
+    try:
+        return bn.to(dtype)
+    finally:
+        amp_bn_fix.enable()
 
 
 def _prepare(case):
@@ -119,7 +129,7 @@ def test_guard_off_lets_the_bad_batch_corrupt_the_stats(case):
         (torch.float32, True, "fp32"),  # fp32 input under autocast (not a low-precision input)
         (torch.float64, False, "fp32"),
         (torch.bfloat16, True, "off"),  # policy off: untouched
-        (torch.bfloat16, False, "fp32"),  # all-16-bit call outside autocast: not mixed, native
+        (torch.bfloat16, False, "off"),  # a half model outside autocast, policy off
     ],
 )
 def test_pass_through_calls_stay_bitwise_native(dtype, autocast, policy):
@@ -150,6 +160,9 @@ def test_backward_with_the_guard(case, guard):
     amp_bn_fix.configure(guard=guard)
     bn, dtype, autocast = _prepare(case)
     reference = copy.deepcopy(_bn()).double()
+    with torch.no_grad():  # from the stats the shim computes with (rounded by a cast without a master)
+        for stat, value in zip((reference.running_mean, reference.running_var), _computed_stats(bn)):
+            stat.copy_(value)
     x = _batch(3, dtype)
     upstream = torch.randn(32, C, generator=torch.Generator().manual_seed(4))
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):

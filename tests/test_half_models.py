@@ -225,31 +225,22 @@ def test_master_keeps_the_running_stats_fp32_accurate(both_routes, dtype, autoca
     assert ours < theirs / 10
 
 
-def test_master_follows_casts_and_is_dropped_when_the_buffers_change():
+def test_master_follows_casts():
+    # Writes to the buffers are test_master's matrix.
     model = cast(conv_bn, "master", "half", torch.bfloat16)
     bn = model[1]
     _train(model, 3, torch.bfloat16, True)
     master = _master.peek(bn.running_mean, bn.running_var).clone()
-    # Cast between 16-bit dtypes and back to FP32: the master's values, not the rounded ones.
+    # Between 16-bit dtypes the buffers hold the master's rounding to the new dtype; back to FP32,
+    # the master's values, not the rounded ones.
     model.half()
     assert torch.equal(_master.peek(bn.running_mean, bn.running_var), master)
+    assert torch.equal(bn.running_mean, master[0].half()) and torch.equal(bn.running_var, master[1].half())
     model.float()
     assert torch.equal(bn.running_mean, master[0]) and torch.equal(bn.running_var, master[1])
     model.bfloat16()
     assert torch.equal(_master.peek(bn.running_mean, bn.running_var), master)
-    # Changed from outside: load_state_dict (an in-place copy) drops it; the next call starts anew.
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    state["1.running_mean"] += 1
-    model.load_state_dict(state)
-    assert _master.peek(bn.running_mean, bn.running_var) is None
-    _train(model, 1, torch.bfloat16, True)
-    assert _master.peek(bn.running_mean, bn.running_var) is not None
-    # Updated by torch (the policy off): dropped, not silently overwritten later.
-    with amp_bn_fix.policy("off"):
-        _train(model, 1, torch.bfloat16, True)
-    assert _master.peek(bn.running_mean, bn.running_var) is None
     # disable() drops every master: torch owns the buffers from then on.
-    _train(model, 1, torch.bfloat16, True)
     with _patch.uninstalled():
         assert _master.peek(bn.running_mean, bn.running_var) is None
 
@@ -300,3 +291,63 @@ def test_a_lazy_model_cast_before_its_first_batch_is_cast_as_plain_torch_casts_i
     with _patch.uninstalled():
         theirs(x)
     assert [b.dtype for b in theirs.buffers()] == [b.dtype for b in ours.buffers()]
+
+
+BATCH_NORMS = {
+    "1d": (nn.BatchNorm1d, (16, 5, 7), torch.contiguous_format),
+    "2d": (nn.BatchNorm2d, (8, 5, 6, 6), torch.contiguous_format),
+    "2d-channels_last": (nn.BatchNorm2d, (8, 5, 6, 6), torch.channels_last),
+    "3d": (nn.BatchNorm3d, (4, 5, 3, 4, 4), torch.contiguous_format),
+    "3d-channels_last": (nn.BatchNorm3d, (4, 5, 3, 4, 4), torch.channels_last_3d),
+}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("kind", list(BATCH_NORMS))
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_outside_autocast_a_half_model_computes_plain_torch_s_outputs(both_routes, dtype, kind, training):
+    # Bit for bit: the output and every gradient, in every memory format (the master keeps only
+    # the running-stat update, which no output shows).
+    module, shape, layout = BATCH_NORMS[kind]
+    torch.manual_seed(0)
+    bn = module(5)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    bn = bn.to(dtype).train(training)
+    x = (torch.randn(shape) * 2 + 1).to(dtype).contiguous(memory_format=layout).requires_grad_()
+    stats = bn.running_mean.clone(), bn.running_var.clone()
+    weight, bias = bn.weight.detach().clone().requires_grad_(), bn.bias.detach().clone().requires_grad_()
+    x_plain = x.detach().clone().requires_grad_()
+    expected = ORIGINAL(x_plain, *stats, weight, bias, training, 0.1, bn.eps)
+    out = bn(x)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    assert out.dtype is dtype and torch.equal(out, expected)
+    assert torch.equal(x.grad, x_plain.grad)
+    assert torch.equal(bn.weight.grad, weight.grad) and torch.equal(bn.bias.grad, bias.grad)
+    if training:  # the update is the master's, FP32
+        assert _master.peek(bn.running_mean, bn.running_var) is not None
+
+
+def test_outside_autocast_a_float16_model_whose_variance_overflowed_evaluates_with_its_master(both_routes):
+    # Features of variance ~1e6: the float16 buffer holds inf, the master holds the variance.
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3).half()
+    bn.momentum = 1.0
+    x = (torch.randn(16, 3, 4, 4) * 1000).half()
+    bn(x)
+    assert torch.isinf(bn.running_var).all()
+    master = _master.peek(bn.running_mean, bn.running_var).clone()
+    bn.eval()
+    out = bn(x)
+    if both_routes == "host":
+        expected = ORIGINAL(x.double(), master[0].double(), master[1].double(), bn.weight.double(),
+                            bn.bias.double(), False, 0.1, bn.eps)
+        assert_near(out, expected, 1)
+    else:  # no host read there: the buffers, as plain torch reads them
+        expected = ORIGINAL(x, bn.running_mean.clone(), bn.running_var.clone(), bn.weight, bn.bias, False, 0.1, bn.eps)
+        assert torch.equal(out, expected)

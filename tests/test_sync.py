@@ -423,3 +423,21 @@ def test_a_non_finite_batch_on_one_rank_leaves_both_ranks_stats(ranks):
         last_first_bn = [call for call in run["calls"] if call["bn"] == 0][-1]
         assert not torch.isfinite(last_first_bn["out"]).all()
     assert torch.equal(ranks[0]["nonfinite"]["after"][0]["mean"], ranks[1]["nonfinite"]["after"][0]["mean"])
+
+
+def test_a_broadcast_of_a_half_model_s_buffers_reaches_every_rank_s_master(ranks):
+    """``dist.broadcast`` writes the buffers without a version bump: the receiving rank's master
+    starts again from the values received, so both ranks hold rank 0's buffers and evaluate as
+    plain torch does outside autocast, bit for bit. Under autocast each reads its master: rank 0's
+    own, rank 1's the values received, within half a bfloat16 step of each other."""
+    sent, received = (record["broadcast"] for record in ranks)
+    for stat in ("mean", "var"):
+        assert torch.equal(sent["buffers"][stat], received["buffers"][stat])
+    assert torch.equal(received["master"], torch.stack((received["buffers"]["mean"], received["buffers"]["var"])).float())
+    assert torch.equal(sent["master"].bfloat16(), received["master"].bfloat16())
+    assert not torch.equal(sent["master"], received["master"])  # rank 0 trained on its own batches
+    assert torch.equal(sent["eval_plain"], received["eval_plain"])
+    assert sent["eval_autocast"].dtype is torch.float32
+    step = torch.finfo(torch.bfloat16).eps
+    apart = (sent["eval_autocast"] - received["eval_autocast"]).abs().max().item()
+    assert apart <= step * (sent["eval_autocast"].abs().max().item() + 1)

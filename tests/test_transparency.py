@@ -2,8 +2,9 @@
 
 The samples are torch's: the ``nn.functional.batch_norm`` OpInfo (it has no error inputs) and the
 BatchNorm1d/2d/3d ModuleInfos with their error inputs. Outside autocast the shim must not change
-anything: outputs, gradients, running stats and errors are bitwise plain torch's. Under CPU autocast
-every policy is compared with a float64 computation of the same call.
+anything a program sees: outputs, gradients and errors are bitwise plain torch's, and so are the
+running stats, but a 16-bit training call's, which the shim updates in FP32 (the model's master) and
+rounds once. Under CPU autocast every policy is compared with a float64 computation of the same call.
 
 Documented exception (README, "Policies"), by name:
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_bn_fix
-from _bounds import assert_near, assert_within, batch_norm_scales, rounding_bound
+from _bounds import assert_near, assert_within, batch_norm_scales, rounding_bound, same_computation_bound
 from _shared import ORIGINAL
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it
@@ -68,15 +69,26 @@ def run_call(fn, input, args, kwargs):
     return ("ok", out.detach(), *grads, padded[0], padded[1])
 
 
-def assert_bitwise(ours, theirs):
+def assert_bitwise(ours, theirs, stats=()):
+    """Bitwise equal results; but the 16-bit running stats at the positions ``stats`` after a
+    training call: the shim updates those in FP32 (their master) and rounds once, where torch
+    updates them from batch statistics rounded to 16 bits, so the two lie within two 16-bit
+    roundings of each other."""
     assert ours[0] == theirs[0], (ours, theirs)
     if ours[0] == "error":
         assert ours[1:] == theirs[1:]
         return
-    for a, b in zip(ours[1:], theirs[1:]):
+    for at, (a, b) in enumerate(zip(ours, theirs)):
+        if at == 0:
+            continue
         assert (a is None) == (b is None)
-        if a is not None:
-            assert a.dtype is b.dtype and a.shape == b.shape and torch.equal(a, b)
+        if a is None:
+            continue
+        assert a.dtype is b.dtype and a.shape == b.shape
+        if at in stats and a.dtype in HALF:
+            assert_within(a, b, same_computation_bound(b, {a.dtype: 2}), what="running stat")
+        else:
+            assert torch.equal(a, b)
 
 
 def current_batch_norm(*args, **kwargs):
@@ -104,7 +116,7 @@ def test_op_samples_outside_autocast_are_bitwise_plain_torch(dtype):
     for name, s in samples:
         assert not is_mixed_half_call(s.input, s.args)  # no documented exception applies
         ours, theirs = with_and_without_shim(lambda: run_call(current_batch_norm, s.input, list(s.args), s.kwargs))
-        assert_bitwise(ours, theirs)
+        assert_bitwise(ours, theirs, stats=(5, 6))
 
 
 def module_runs(module_info, dtype, training):
@@ -146,7 +158,7 @@ def test_module_inputs_outside_autocast_are_bitwise_plain_torch(module_info, dty
     ours, theirs = with_and_without_shim(run)
     assert len(ours) == len(theirs) == len(inputs)
     for a, b in zip(ours, theirs):
-        assert_bitwise(a, b)
+        assert_bitwise(a, b, stats=range(len(a) - 3, len(a)))  # the buffers come last
 
 
 @pytest.mark.parametrize("under_autocast", [False, True], ids=["plain", "autocast"])

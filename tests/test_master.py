@@ -1,0 +1,194 @@
+"""A half model's FP32 master follows every write to its buffers, whatever its path (``_master``).
+
+A master holds while the 16-bit buffers still hold its rounding, checked by value at each use. The
+matrix crosses every way a program writes a BatchNorm's running stats with what comes next, on
+both routes, against references built from the values written: plain torch's own kernel on them
+(where the shim must be invisible) or float64 (where it computes).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import amp_bn_fix
+from _bounds import assert_near
+from _shared import ORIGINAL
+from amp_bn_fix import _master
+
+HALF = [torch.float16, torch.bfloat16]
+C = 6
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(C)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    bn = bn.to(dtype)
+    # A few training steps under autocast: the master now holds more than its buffers show.
+    for step in range(3):
+        x = torch.randn(8, C, 5, 5, generator=torch.Generator().manual_seed(step)).to(dtype) * 0.5 + 1.3
+        with torch.autocast("cpu", dtype=dtype):
+            bn(x)
+    assert not torch.equal(_master.peek(bn.running_mean, bn.running_var)[1].to(dtype).float(),
+                           _master.peek(bn.running_mean, bn.running_var)[1])
+    return bn
+
+
+def _new_values(bn):
+    g = torch.Generator().manual_seed(7)
+    return ((torch.rand(C, generator=g) - 0.5).to(bn.running_mean.dtype),
+            (torch.rand(C, generator=g) + 0.5).to(bn.running_var.dtype))
+
+
+def _write_inplace(bn):
+    mean, var = _new_values(bn)
+    with torch.no_grad():
+        bn.running_mean.copy_(mean)
+        bn.running_var.mul_(0).add_(var)
+    return bn
+
+
+def _write_data_copy(bn):
+    mean, var = _new_values(bn)
+    bn.running_mean.data.copy_(mean)
+    bn.running_var.data.copy_(var)
+    return bn
+
+
+def _write_data_assign(bn):
+    mean, var = _new_values(bn)
+    bn.running_mean.data = mean
+    bn.running_var.data = var
+    return bn
+
+
+def _write_attribute(bn):
+    bn.running_mean, bn.running_var = _new_values(bn)
+    return bn
+
+
+def _write_state_dict(bn, assign=False):
+    mean, var = _new_values(bn)
+    state = dict(bn.state_dict(), running_mean=mean, running_var=var)
+    bn.load_state_dict(state, assign=assign)
+    return bn
+
+
+def _write_foreach(bn):
+    mean, var = _new_values(bn)
+    with torch.no_grad():
+        torch._foreach_copy_([bn.running_mean, bn.running_var], [mean, var])
+    return bn
+
+
+def _write_reset(bn):
+    bn.reset_running_stats()  # what torch.optim.swa_utils.update_bn starts with
+    return bn
+
+
+def _write_by_torch(bn):
+    # torch's own 16-bit update, where the shim steps aside.
+    x = torch.randn(8, C, 5, 5, generator=torch.Generator().manual_seed(9)).to(bn.weight.dtype) * 3 + 2
+    with amp_bn_fix.policy("off"):
+        bn(x)
+    return bn
+
+
+WRITES = {
+    "in-place": _write_inplace,
+    "data-copy": _write_data_copy,
+    "data-assign": _write_data_assign,
+    "attribute": _write_attribute,
+    "load_state_dict": _write_state_dict,
+    "load_state_dict-assign": lambda bn: _write_state_dict(bn, assign=True),
+    "foreach": _write_foreach,
+    "reset_running_stats": _write_reset,
+    "torch-update": _write_by_torch,
+    "deepcopy": lambda bn: copy.deepcopy(bn),
+}
+
+
+def _input(dtype):
+    return (torch.randn(8, C, 5, 5, generator=torch.Generator().manual_seed(11)) * 0.5 + 1).to(dtype)
+
+
+def _eval_plain(bn, written):
+    # Outside autocast a half model's eval is plain torch's on the buffers, bit for bit.
+    x = _input(bn.weight.dtype)
+    out = bn.eval()(x)
+    expected = ORIGINAL(x, written[0].clone(), written[1].clone(), bn.weight, bn.bias, False, 0.1, bn.eps)
+    assert torch.equal(out, expected)
+
+
+def _eval_autocast(bn, written):
+    # Under autocast the master is read: it must hold the values written.
+    x = _input(bn.weight.dtype)
+    with torch.autocast("cpu", dtype=bn.weight.dtype):
+        out = bn.eval()(x)
+    expected = ORIGINAL(x.double(), written[0].double(), written[1].double(), bn.weight.double(),
+                        bn.bias.double(), False, 0.1, bn.eps)
+    assert out.dtype is torch.float32
+    assert_near(out, expected, 1)
+
+
+def _train_step(autocast):
+    def step(bn, written):
+        # The FP32 update starts from the values written, and the buffers hold its rounding.
+        x = _input(bn.weight.dtype)
+        with torch.autocast("cpu", dtype=bn.weight.dtype, enabled=autocast):
+            bn.train()(x)
+        mean64, var64 = written[0].double(), written[1].double()
+        ORIGINAL(x.double(), mean64, var64, None, None, True, 0.1, bn.eps)
+        master = _master.peek(bn.running_mean, bn.running_var)
+        assert master is not None
+        n = x.numel() // C
+        assert_near(master[0], mean64, n, scale=mean64.abs().max().item() + 1, what="mean")
+        assert_near(master[1], var64, n, scale=var64.abs().max().item(), what="var")
+        assert torch.equal(bn.running_mean, master[0].to(bn.running_mean.dtype))
+        assert torch.equal(bn.running_var, master[1].to(bn.running_var.dtype))
+    return step
+
+
+def _to_fp32(bn, written):
+    # .float() gives the master's values: here exactly the values written.
+    bn.float()
+    assert torch.equal(bn.running_mean, written[0].float()) and torch.equal(bn.running_var, written[1].float())
+
+
+def _to_other_half(bn, written):
+    other = torch.bfloat16 if bn.running_mean.dtype is torch.float16 else torch.float16
+    bn.to(other)
+    assert torch.equal(bn.running_mean, written[0].float().to(other))
+    assert torch.equal(bn.running_var, written[1].float().to(other))
+
+
+NEXT = {
+    "eval": _eval_plain,
+    "eval-autocast": _eval_autocast,
+    "train": _train_step(autocast=False),
+    "train-autocast": _train_step(autocast=True),
+    ".float()": _to_fp32,
+    "other-16-bit": _to_other_half,
+}
+
+
+@pytest.mark.parametrize("then", list(NEXT))
+@pytest.mark.parametrize("write", list(WRITES))
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_the_master_follows_every_write(both_routes, dtype, write, then):
+    bn = WRITES[write](_model(dtype))
+    written = (bn.running_mean.detach().clone(), bn.running_var.detach().clone())
+    NEXT[then](bn, written)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_a_write_that_leaves_the_rounding_as_it_was_keeps_the_master(dtype):
+    bn = _model(dtype)
+    master = _master.peek(bn.running_mean, bn.running_var).clone()
+    with torch.no_grad():
+        bn.running_var.copy_(bn.running_var.clone())
+    assert torch.equal(_master.peek(bn.running_mean, bn.running_var), master)
