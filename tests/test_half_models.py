@@ -20,6 +20,7 @@ from torch import nn
 import amp_bn_fix
 from _bounds import assert_near
 from _shared import ORIGINAL
+from bn_probe import Watch, bn_modules
 from amp_bn_fix import _master, _patch
 
 HALF = [torch.float16, torch.bfloat16]
@@ -351,3 +352,88 @@ def test_outside_autocast_a_float16_model_whose_variance_overflowed_evaluates_wi
     else:  # no host read there: the buffers, as plain torch reads them
         expected = ORIGINAL(x, bn.running_mean.clone(), bn.running_var.clone(), bn.weight, bn.bias, False, 0.1, bn.eps)
         assert torch.equal(out, expected)
+
+
+# --- half models of real shapes under every policy -------------------------------------------------
+
+class _DenseBlock(nn.Module):
+    """DenseNet's pattern: each layer's BN-ReLU-conv output is concatenated to its input (so the
+    ``fp32`` policy's FP32 outputs meet 16-bit ones), then a transition BN-conv-pool."""
+
+    def __init__(self, channels=4, growth=4, layers=2):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm2d(channels + i * growth), nn.ReLU(), nn.Conv2d(channels + i * growth, growth, 3,
+                                                                                        padding=1))
+            for i in range(layers))
+        width = channels + layers * growth
+        self.transition = nn.Sequential(nn.BatchNorm2d(width), nn.ReLU(), nn.Conv2d(width, channels, 1), nn.AvgPool2d(2))
+        self.head = nn.Sequential(nn.BatchNorm2d(channels), nn.Flatten(), nn.LazyLinear(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.cat((x, layer(x)), 1)
+        return self.head(self.transition(x))
+
+
+class _ResidualBlock(nn.Module):
+    """ResNet's basic block: conv-BN-ReLU-conv-BN plus the identity (a 16-bit input added to the
+    ``fp32`` policy's FP32 output), and a BNNeck-style BatchNorm1d on the pooled features."""
+
+    def __init__(self, channels=4):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+                                  nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels))
+        self.neck = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.BatchNorm1d(channels), nn.Linear(channels, 3))
+
+    def forward(self, x):
+        x = self.stem(x)
+        return self.neck(torch.relu(x + self.body(x)))
+
+
+def _dense():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _DenseBlock())
+
+
+def _residual():
+    torch.manual_seed(0)
+    return _ResidualBlock()
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("policy", ["fp32", "input", "autocast", "off"])
+@pytest.mark.parametrize("make", [_dense, _residual], ids=["densenet", "resnet"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_half_models_of_real_shapes_run_under_every_policy(dtype, make, policy, training):
+    x = (torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(1)) * 2 + 1).to(dtype)
+
+    def run(model):
+        with torch.autocast("cpu", dtype=dtype), amp_bn_fix.policy(policy):
+            out = model(x)
+        if training:
+            out.float().sum().backward()
+        return out
+
+    model = make()
+    model(x.float())  # materialize the lazy layer in FP32, then cast, as a user would
+    model = model.to(dtype).train(training)
+    watch = Watch(bn_modules(model))
+    out = run(model)
+    assert out.dtype is dtype and torch.isfinite(out).all()  # the linear head under autocast
+    if training:
+        assert all(p.grad is not None and p.grad.dtype is dtype for p in model.parameters())
+    if policy == "off":  # plain torch's model, computation and all
+        with _patch.uninstalled():
+            plain = make()
+            plain(x.float())
+            plain = plain.to(dtype).train(training)
+            assert torch.equal(run(plain), out)
+        return
+    want = {"fp32": torch.float32, "autocast": dtype}.get(policy)
+    for call in watch.calls:
+        # The policy's output dtype (``input``: the input's, FP32 where an FP32 output came in),
+        # FP32 arithmetic rounded once, and the master's FP32 update, against float64.
+        assert call["out"] == str(want or getattr(torch, call["input"].split(".")[1])), call
+        assert call["out_excess"] <= 0 and call["stats_excess"] <= 0, call
