@@ -4,7 +4,8 @@ Calls are counted on the host where the wrapper decides (an integer increment). 
 decisions are counted where they are made: skips decided on the host there; decisions made on a
 device are kept as the 0-dim device tensors they are (summed on the device every few dozen calls,
 no sync) next to a host count of checks, and only :func:`snapshot` reads them and derives the
-skips. Only plain eager calls are counted: traced and compiled code runs without the wrapper's
+skips. On CUDA the sum runs on the stream current when it is made, ordered after every stream
+that made a flag it sums (a warm-up on a side stream). Only plain eager calls are counted: traced and compiled code runs without the wrapper's
 Python (its calls are counted while tracing, not when the compiled code runs).
 
 CUDA graphs likewise: a call made while the current CUDA stream is capturing a graph is counted
@@ -24,7 +25,7 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
@@ -62,7 +63,7 @@ def _no_tensor() -> None:
 class _GuardRecord:
     """What the guard decided for one running mean."""
 
-    __slots__ = ("ref", "host_skips", "device_checks", "device_flags", "device_kept", "label")
+    __slots__ = ("ref", "host_skips", "device_checks", "device_flags", "device_kept", "streams", "label")
 
     def __init__(self, running_mean: Optional[torch.Tensor]) -> None:
         # None: the record of running means that died (``_deleted``).
@@ -72,6 +73,8 @@ class _GuardRecord:
         # 0-dim bool device tensors not summed yet, and the sum of those that were.
         self.device_flags: List[torch.Tensor] = []
         self.device_kept: Optional[torch.Tensor] = None
+        # The CUDA streams that wrote those flags or ``device_kept`` (empty on CPU).
+        self.streams: Set[Any] = set()
         self.label: Optional[str] = None
 
     def skips(self) -> int:
@@ -83,6 +86,8 @@ class _GuardRecord:
     def fold(self) -> None:
         """Sum the decisions not summed yet into ``device_kept``, on the device (no sync)."""
         flags = self.device_flags
+        if self.streams:  # CUDA: flags, or a sum, written on some stream
+            _after_streams(self.streams, flags or [self.device_kept])
         if flags:
             kept = torch.stack(flags).sum()
             self.device_kept = kept if self.device_kept is None else self.device_kept.add_(kept)
@@ -90,7 +95,9 @@ class _GuardRecord:
 
     def absorb(self, other: "_GuardRecord") -> None:
         """Add ``other``'s decisions (made on this record's device) to this record's."""
+        self.fold()
         other.fold()
+        self.streams |= other.streams
         self.host_skips += other.host_skips
         self.device_checks += other.device_checks
         if other.device_kept is not None:
@@ -110,6 +117,22 @@ _warned = False
 # Records of dead running means not yet added to ``_deleted``: that takes device ops, which wait
 # while a CUDA graph is captured.
 _dead: List[_GuardRecord] = []
+
+
+def _after_streams(streams: Set[Any], tensors: List[torch.Tensor]) -> None:
+    """Order the current CUDA stream after ``streams``, which wrote ``tensors`` (flags made in a
+    warm-up on a side stream, say): the sum about to run on it must see them, and the allocator
+    must not hand their memory back to those streams before it has. The current stream is then the
+    one that writes the sum."""
+    current = _cuda.current_stream(tensors[0].device)
+    others = [stream for stream in streams if stream != current]
+    if others:
+        for stream in others:
+            current.wait_stream(stream)
+        for tensor in tensors:
+            tensor.record_stream(current)
+        streams.clear()
+        streams.add(current)
 
 
 def handled(counted_as: str) -> None:
@@ -180,6 +203,8 @@ def checked_on_device(running_mean: torch.Tensor, finite: torch.Tensor) -> None:
     record = _record_of(running_mean)
     record.device_checks += 1
     record.device_flags.append(finite)
+    if finite.is_cuda:
+        record.streams.add(_cuda.current_stream(finite.device))
     if len(record.device_flags) == _FOLD:
         record.fold()
 

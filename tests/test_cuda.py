@@ -156,6 +156,20 @@ def test_the_guard_keeps_the_stats_through_a_non_finite_fp16_batch_with_no_host_
         assert torch.equal(after.view(torch.int32), was.view(torch.int32))
 
 
+def test_guard_decisions_made_on_a_side_stream_are_counted_on_the_default_one():
+    # Warm-up steps on a side stream (as before a graph capture), one with a non-finite batch, then
+    # report() on the default stream: the side stream's flags are summed after it, not before.
+    model = nn.Sequential(nn.BatchNorm1d(8)).cuda()
+    batches = [(torch.randn(32, 8, device="cuda") * 3 + 2).half() for _ in range(70)]  # past one fold
+    batches[40][5, 3] = float("inf")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.autocast("cuda", dtype=torch.float16):
+        for x in batches:
+            model(x)
+    assert amp_bn_fix.report(model)["guard_skips"] == {"0": 1}
+
+
 def _warm_up(step, graphed: nn.Module, eager: nn.Module, batches) -> None:
     """The steps before a capture, on a side stream as torch's documentation asks; the eager twin
     takes the same steps."""

@@ -191,3 +191,41 @@ def test_what_is_kept_stays_bounded_when_the_stats_are_new_tensors_every_call(ev
     assert len(_record._deleted) <= 1
     del mean, var
     assert amp_bn_fix.report()["guard_skips"] == {_record.DELETED: len(range(0, calls, bad_every))}
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream: records which streams it was ordered after."""
+
+    def __init__(self, name):
+        self.name, self.waited = name, []
+
+    def wait_stream(self, other):
+        self.waited.append(other.name)
+
+
+class _FakeFlag:
+    """Stands in for a 0-dim CUDA flag: records the streams it was marked as used on."""
+
+    device = "cuda:0"
+
+    def __init__(self):
+        self.used_on = []
+
+    def record_stream(self, stream):
+        self.used_on.append(stream.name)
+
+
+def test_flags_made_on_another_stream_are_summed_after_it(monkeypatch):
+    # A warm-up on a side stream, then report() on the default one: the sum runs on the current
+    # stream once it waits for the side stream, and the flags' memory is kept for the current one.
+    side, current = _FakeStream("side"), _FakeStream("current")
+    monkeypatch.setattr(_record, "_cuda", type("cuda", (), {"current_stream": staticmethod(lambda device: current)}))
+    flags, streams = [_FakeFlag(), _FakeFlag()], {side, current}
+    _record._after_streams(streams, flags)
+    assert current.waited == ["side"] and side.waited == []
+    assert [f.used_on for f in flags] == [["current"], ["current"]]
+    assert streams == {current}  # the sum is written on the current stream from now on
+    # Made on the current stream alone: nothing to wait for.
+    more = [_FakeFlag()]
+    _record._after_streams(streams, more)
+    assert current.waited == ["side"] and more[0].used_on == []
