@@ -101,8 +101,9 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
                 original = _torch_f_batch_norm
             # With torch's own output, in eager mode only the batch's statistics remain: torch's op
             # for them updates FP32 stats as its kernels do (no output, about half a batch norm on
-            # CPU). It mutates stats its schema does not mark as written, which tracers would miss.
-            stats_only = shown is not None and eager
+            # CPU). It mutates stats its schema does not mark as written, which tracers would miss,
+            # and has no meta kernel.
+            stats_only = shown is not None and eager and not input.is_meta
             layout = (_mixed_kernel_layout(input) if native and eager and out_dtype is input.dtype and not stats_only
                       else None)
             if stats_only:
