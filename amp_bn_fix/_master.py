@@ -60,9 +60,12 @@ _masters: Dict[int, _Master] = {}
 
 
 def _of(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[_Master]:
-    """The master made for these very buffer objects, whether it still holds or not."""
+    """The master made for these very buffer objects, whether it still holds or not (none where the
+    buffers were given another shape or device through ``.data``: channel pruning, say)."""
     master = _masters.get(id(running_mean))
     if master is None or master.mean_ref() is not running_mean or master.var_ref() is not running_var:
+        return None
+    if master.values.shape[1:] != running_mean.shape or master.values.device != running_mean.device:
         return None
     return master
 

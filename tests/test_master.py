@@ -192,3 +192,23 @@ def test_a_write_that_leaves_the_rounding_as_it_was_keeps_the_master(dtype):
     with torch.no_grad():
         bn.running_var.copy_(bn.running_var.clone())
     assert torch.equal(_master.peek(bn.running_mean, bn.running_var), master)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_buffers_given_another_shape_through_data_start_a_new_master(both_routes, dtype):
+    # Channel pruning through .data: the module's tensors keep their objects, with fewer channels.
+    bn = _model(dtype)
+    keep = [0, 2, 3, 5]
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        getattr(bn, name).data = getattr(bn, name).data[keep].clone()
+    written = (bn.running_mean.detach().clone(), bn.running_var.detach().clone())
+    x = torch.randn(8, len(keep), 5, 5, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        out = bn.train()(x)
+    mean64, var64 = written[0].double(), written[1].double()
+    expected = ORIGINAL(x.double(), mean64, var64, bn.weight.double(), bn.bias.double(), True, 0.1, bn.eps)
+    n = x.numel() // len(keep)
+    assert_near(out, expected, n, what="output")
+    master = _master.peek(bn.running_mean, bn.running_var)
+    assert master.shape == (2, len(keep))
+    assert_near(master[1], var64, n, scale=var64.abs().max().item(), what="var")
