@@ -1,5 +1,8 @@
 """The dispatcher door's registration: kernels for ``aten::batch_norm`` and ``aten::instance_norm`` at autocast's keys.
 
+Also ``aten::_batch_norm_impl_index`` there, which TorchScript's autodiff calls instead of
+``batch_norm``, and its backward at the device's autograd key (``_doors``).
+
 The ``F.batch_norm`` wrapper sees Python calls of that one function. Every other way to a batch
 norm reaches ATen's ``batch_norm`` op: ``torch.batch_norm``, ``torch.ops.aten.batch_norm``,
 ``instance_norm`` (a batch norm over a reshaped input), TorchScript at run time, ``torch.jit.trace``
@@ -64,6 +67,13 @@ def register() -> bool:
             plan.append(("batch_norm", key.name, _doors.batch_norm_kernel(device_type)))
             if _free("instance_norm", key.name):
                 plan.append(("instance_norm", key.name, _doors.instance_norm_kernel(device_type)))
+            # TorchScript's autodiff: its forward op under autocast, and its backward, which runs
+            # outside autocast (at the device's autograd key, where torch has only a composite kernel).
+            backward_key = "Autograd" + key.name[len("Autocast"):]
+            if (_free("_batch_norm_impl_index", key.name) and hasattr(torch._C.DispatchKey, backward_key)
+                    and _free("_batch_norm_impl_index_backward", backward_key)):
+                plan.append(("_batch_norm_impl_index", key.name, _doors.batch_norm_impl_index_kernel(device_type)))
+                plan.append(("_batch_norm_impl_index_backward", backward_key, _doors.batch_norm_impl_index_backward))
         if not plan:
             return False
         library = torch.library.Library("aten", "IMPL")
@@ -74,7 +84,7 @@ def register() -> bool:
             library._destroy()
             raise
         _library = library
-        _keys = tuple(dict.fromkeys(key for _, key, _ in plan))
+        _keys = tuple(dict.fromkeys(key for _, key, _ in plan if key.startswith("Autocast")))
         return True
 
 

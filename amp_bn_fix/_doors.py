@@ -9,6 +9,9 @@ Arguments (bound by name where they do not come in ``F.batch_norm``'s order), th
   tracers under ``torch.compile``).
 * :func:`instance_norm_kernel`: ``aten::instance_norm`` under autocast, one batch norm over the
   samples' channels.
+* :func:`batch_norm_impl_index_kernel`: ``aten::_batch_norm_impl_index`` under autocast, where
+  TorchScript's autodiff sends a BatchNorm, and :func:`batch_norm_impl_index_backward`, the
+  backward it calls.
 * :func:`sync_batch_norm`: the wrapper of ``SyncBatchNorm.apply``, nn.SyncBatchNorm's syncing path.
 
 While a door runs a call it has decided, computed or passed to torch, this thread's flag
@@ -20,7 +23,7 @@ to torch, so a call is decided and counted once.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.overrides import has_torch_function_variadic
@@ -39,10 +42,17 @@ _aten_batch_norm = torch.ops.aten.batch_norm.default
 _aten_instance_norm = torch.ops.aten.instance_norm.default
 _torch_batch_norm = torch.batch_norm
 _torch_instance_norm = torch.instance_norm
+_aten_impl_index = torch.ops.aten._batch_norm_impl_index.default
+_torch_impl_index = torch._batch_norm_impl_index
+_aten_impl_index_backward = torch.ops.aten._batch_norm_impl_index_backward.default
 
 
-def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-    """The wrapper of ``F.batch_norm`` (wrapt's signature): ``wrapped`` is torch's computation."""
+def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict,
+               native: bool = True) -> torch.Tensor:
+    """The wrapper of ``F.batch_norm`` (wrapt's signature): ``wrapped`` is torch's computation.
+
+    ``native`` False: ``wrapped`` must see the call the shim computes (see ``_compute.run``).
+    """
     if _thread.inside or not _state.active:  # decided already, or a reference kept after disable()
         return wrapped(*args, **kwargs)
     if len(args) == 8 and not kwargs:  # the call BatchNorm modules make: no binding needed
@@ -58,7 +68,7 @@ def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple,
         if decided is None:
             _counts.passed += 1
             return wrapped(*args, **kwargs)
-        out = _compute.run(wrapped, call, decided)
+        out = _compute.run(wrapped, call, decided, native)
     finally:
         _thread.inside = False
     _record.handled(decided.counted_as)  # once computed: a call that raises was not handled
@@ -95,6 +105,58 @@ def batch_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
         return batch_norm(below, None, (input, running_mean, running_var, weight, bias, training, momentum, eps), {})
 
     return batch_norm_at_autocast
+
+
+def batch_norm_impl_index_kernel(device_type: str) -> Callable[..., Tuple[Any, ...]]:
+    """The dispatcher kernel of ``aten::_batch_norm_impl_index`` at ``device_type``'s autocast key.
+
+    TorchScript's autodiff calls this op instead of ``aten::batch_norm`` where it differentiates a
+    scripted block itself, and hands its five results to its backward,
+    ``aten::_batch_norm_impl_index_backward``: the output (here the policy's), and the saved
+    statistics, workspace and kernel index of the call the shim computes, which
+    :func:`batch_norm_impl_index_backward` differentiates.
+    """
+
+    def impl_index_at_autocast(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                               running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                               training: bool, momentum: float, eps: float, cudnn_enabled: bool) -> Tuple[Any, ...]:
+        saved: List[Any] = []
+
+        def below(x: torch.Tensor, mean: Optional[torch.Tensor], var: Optional[torch.Tensor],
+                  w: Optional[torch.Tensor] = None, b: Optional[torch.Tensor] = None, training: bool = False,
+                  momentum: float = 0.1, eps: float = 1e-5) -> torch.Tensor:
+            out, *saved[:] = _below_autocast(device_type, _aten_impl_index, _torch_impl_index,
+                                             (x, w, b, mean, var, training, momentum, eps, cudnn_enabled))
+            return out
+
+        call = (input, running_mean, running_var, weight, bias, training, momentum, eps)
+        out = batch_norm(below, None, call, {}, native=False)  # one call of ``below``: its results are these
+        return (out, *saved)
+
+    return impl_index_at_autocast
+
+
+def batch_norm_impl_index_backward(impl_index: int, input: torch.Tensor, grad_output: torch.Tensor,
+                                   weight: Optional[torch.Tensor], running_mean: Optional[torch.Tensor],
+                                   running_var: Optional[torch.Tensor], save_mean: Optional[torch.Tensor],
+                                   save_var_transform: Optional[torch.Tensor], train: bool, eps: float,
+                                   output_mask: List[bool], reserved: torch.Tensor) -> Tuple[Any, ...]:
+    """The kernel of ``aten::_batch_norm_impl_index_backward`` at the autograd keys (TorchScript's backward).
+
+    The calls whose forward the shim computed in FP32 (:func:`batch_norm_impl_index_kernel`) that
+    torch's kernels reject: a 16-bit input whose gradient comes in another dtype (the policy's
+    output dtype), or on CPU FP32 saved statistics next to 16-bit weight or stats (a half model
+    under the ``input`` policy). Their backward is that FP32 computation's, and autograd rounds
+    each gradient to its tensor's dtype. Every other call is torch's own composite kernel, as it was.
+    """
+    if input.dtype in LOW_PRECISION and (
+            grad_output.dtype is not input.dtype
+            or (input.is_cpu and save_mean is not None and save_mean.dtype is torch.float32
+                and any(t is not None and t.dtype in LOW_PRECISION for t in (weight, running_mean, running_var)))):
+        input, grad_output, weight, running_mean, running_var = (
+            _compute.to_fp32(t) for t in (input, grad_output, weight, running_mean, running_var))
+    return _aten_impl_index_backward.decompose(impl_index, input, grad_output, weight, running_mean, running_var,
+                                               save_mean, save_var_transform, train, eps, output_mask, reserved)
 
 
 def _repeat(t: Optional[torch.Tensor], times: int) -> Optional[torch.Tensor]:
