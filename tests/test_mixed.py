@@ -206,3 +206,73 @@ def test_an_ensemble_of_half_models_under_vmap_runs_as_in_plain_torch(policy):
                                                  {k: v.clone() for k, v in buffers.items()}))
     assert outs[0].dtype is outs[1].dtype is torch.float16
     assert torch.equal(outs[0], outs[1])
+
+
+# --- torch.func transforms crossed with policies --------------------------------------------------
+
+def _in_transform(transform, bn, x):
+    """``bn``'s eval output for ``x``, computed inside ``transform`` (returned as a plain tensor)."""
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    state = {**dict(bn.named_parameters()), **dict(bn.named_buffers())}
+
+    def run(weight, inputs):
+        return functional_call(bn, {**state, "weight": weight}, (inputs,))
+
+    def loss(weight):
+        out = run(weight, x)
+        return out.float().sum(), out.detach()
+
+    if transform == "functional_call":
+        return run(bn.weight, x).detach()
+    if transform == "grad":
+        return grad(loss, has_aux=True)(bn.weight)[1]
+    if transform == "jacrev":
+        return jacrev(loss, has_aux=True)(bn.weight)[1]
+    return vmap(lambda xi: run(bn.weight, xi))(x.unsqueeze(0).expand(2, *x.shape))[0]
+
+
+@pytest.mark.parametrize("half_model", [False, True], ids=["fp32-model", "half-model"])
+@pytest.mark.parametrize("policy", ["fp32", "input", "autocast", "off"])
+@pytest.mark.parametrize("transform", ["functional_call", "grad", "jacrev", "vmap"])
+def test_transforms_decide_autocast_as_autocast_does(transform, policy, half_model):
+    """Under ``grad``, ``jacrev`` and ``functional_call`` CPU autocast is in effect and the shim
+    applies the policy; under ``vmap`` autocast casts nothing, and neither does the shim: the
+    result is plain torch's, as under the policy ``off``."""
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(C).eval()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    stats = bn.running_mean.double(), bn.running_var.double()
+    if half_model:
+        bn = bn.to(dtype)  # its master holds the FP32 stats
+    x = (torch.randn(4, C, 3, 3, generator=torch.Generator().manual_seed(1)) * 2 + 1).to(dtype)
+    if half_model and transform in ("grad", "jacrev"):
+        # Traced by a transform, the computation reads the buffers, not the master (docs/configuration.md).
+        stats = bn.running_mean.double(), bn.running_var.double()
+    if transform == "vmap" and not half_model and policy == "off":  # torch's own call: its error
+        with torch.autocast("cpu", dtype=dtype), amp_bn_fix.policy(policy), pytest.raises(RuntimeError):
+            _in_transform(transform, bn, x)
+        return
+    with torch.autocast("cpu", dtype=dtype), amp_bn_fix.policy(policy):
+        out = _in_transform(transform, bn, x)
+    reference = ORIGINAL(x.double(), *stats, bn.weight.double(), bn.bias.double(), False, 0.1, bn.eps)
+    if transform == "vmap" and not half_model:
+        # Outside autocast in effect, a 16-bit input next to FP32 weight and stats is the mix torch
+        # rejects (and does under vmap) and the shim computes: FP32 arithmetic, the input's dtype.
+        with amp_bn_fix._patch.uninstalled(), torch.autocast("cpu", dtype=dtype), pytest.raises(RuntimeError):
+            _in_transform(transform, bn, x)
+        assert out.dtype is dtype
+        assert_near(out, reference, x.numel() // C)
+        return
+    if policy == "off" or transform == "vmap":
+        with amp_bn_fix._patch.uninstalled(), torch.autocast("cpu", dtype=dtype):
+            expected = _in_transform(transform, bn, x)
+        assert out.dtype is expected.dtype and torch.equal(out, expected)
+        return
+    assert out.dtype is (torch.float32 if policy == "fp32" else dtype)
+    assert_near(out, reference, x.numel() // C)
