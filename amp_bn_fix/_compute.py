@@ -109,7 +109,6 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
             if stats_only:
                 if input.numel():  # an empty batch leaves the stats, as torch's kernels do
                     torch.batch_norm_update_stats(input, work_mean, work_var, momentum)
-                out = shown
             elif layout is not None:
                 if input.is_cpu:
                     out = _kernels.mixed_batch_norm(original, layout, input, work_mean, work_var, weight, bias,

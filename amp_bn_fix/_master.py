@@ -97,11 +97,12 @@ def _checked(values: torch.Tensor, running_mean: torch.Tensor, running_var: torc
     read. Written through ``.data``: no version bump, as with the rest of the running-stat update.
     """
     buffers = torch.stack((running_mean, running_var))
+    rounded = values.to(buffers.dtype)
     if host:
-        if not torch.equal(values.to(buffers.dtype), buffers):
+        if not torch.equal(rounded, buffers):
             values.data.copy_(buffers)
         return values
-    stale = torch.ne(values.to(buffers.dtype), buffers).any()
+    stale = torch.ne(rounded, buffers).any()
     torch.where(stale, buffers, values.data, out=values.data)
     return values
 
@@ -131,8 +132,7 @@ def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Te
     """
     key = id(running_mean)
     kept = _of(running_mean, running_var)
-    if (kept is not None and kept.captured and kept.values.shape == values.shape
-            and kept.values.device == values.device):
+    if kept is not None and kept.captured:  # of the buffers' shape and device (``_of``)
         kept.values.data.copy_(values)
         return kept.values
 

@@ -5,8 +5,9 @@ decisions are counted where they are made: skips decided on the host there; deci
 device are kept as the 0-dim device tensors they are (summed on the device every few dozen calls,
 no sync) next to a host count of checks, and only :func:`snapshot` reads them and derives the
 skips. On CUDA the sum runs on the stream current when it is made, ordered after every stream
-that made a flag it sums (a warm-up on a side stream). Only plain eager calls are counted: traced and compiled code runs without the wrapper's
-Python (its calls are counted while tracing, not when the compiled code runs).
+that made a flag it sums (a warm-up on a side stream). Only plain eager calls are counted: traced
+and compiled code runs without the wrapper's Python (its calls are counted while tracing, not when
+the compiled code runs).
 
 CUDA graphs likewise: a call made while the current CUDA stream is capturing a graph is counted
 once, as handled and under ``captured``, and its replays are not counted. The guard's decision in

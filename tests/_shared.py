@@ -6,7 +6,8 @@
 every ``AMP_BN_FIX*`` setting at import, plus the settings a test gives it.
 ``compare_outcomes`` checks that the shim treats a call as the original does: the same error, or
 both return and the results agree. ``record_inputs`` and ``assert_stats_replayed`` check running
-stats against a float64 replay of the calls a BatchNorm module received.
+stats against a float64 replay of the calls a BatchNorm module received. ``computed_stats`` is what
+the shim computes a module's call with (a half model's FP32 master, else its buffers).
 """
 
 from __future__ import annotations
@@ -107,3 +108,13 @@ def guarded_update(mean: torch.Tensor, var: torch.Tensor, host: bool, kernel: An
         return kernel(work_mean, work_var)
     finally:
         _guard.finish(mean, var, work_mean, work_var, token, True, mean)
+
+
+def computed_stats(module: torch.nn.Module):
+    """Copies of the running stats the shim computes with: a half model's FP32 master
+    (``keep_fp32="master"``) where it keeps one, else the module's buffers."""
+    from amp_bn_fix import _master
+
+    master = _master.peek(module.running_mean, module.running_var)
+    stats = (module.running_mean, module.running_var) if master is None else master.unbind()
+    return tuple(s.detach().clone() for s in stats)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _bounds import assert_near
-from _shared import ORIGINAL
+from _shared import ORIGINAL, computed_stats
 from amp_bn_fix import _master
 
 C = 6
@@ -41,13 +41,6 @@ def _module(kind, dtype, half_model, device):
     return m.to(device, dtype if half_model else torch.float32)
 
 
-def _computed_stats(m):
-    """The running stats the shim computes with: a half BatchNorm's master, else the buffers."""
-    master = _master.peek(m.running_mean, m.running_var)
-    stats = (m.running_mean, m.running_var) if master is None else master.unbind()
-    return tuple(s.detach().double().clone() for s in stats)
-
-
 def _reference(m, x, stats, training):
     w = None if m.weight is None else m.weight.detach().double()
     b = None if m.bias is None else m.bias.detach().double()
@@ -70,7 +63,7 @@ def test_every_norm_module_under_every_policy(both_routes, dtype, kind, half_mod
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 2 + 1).to(device, dtype)
     if layout is not None:
         x = x.contiguous(memory_format=layout)
-    stats = _computed_stats(m)
+    stats = tuple(s.double() for s in computed_stats(m))
     with torch.autocast(device, dtype=dtype), amp_bn_fix.policy(policy):
         out = m(x)
     expected = _reference(m, x, stats, training)
@@ -79,7 +72,7 @@ def test_every_norm_module_under_every_policy(both_routes, dtype, kind, half_mod
         assert out.is_contiguous(memory_format=layout)
     n = x.numel() // C
     assert_near(out, expected, n, what="output")
-    got = _computed_stats(m)
+    got = tuple(s.double() for s in computed_stats(m))
     for stat, want, what in zip(got, stats, ("running mean", "running var")):
         scale = want.abs().max().item() + (1 if what == "running mean" else 0)
         # Held 16 bits wide without a master (InstanceNorm's), the stats are rounded once more.

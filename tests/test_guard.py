@@ -11,7 +11,7 @@ from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near, assert_within, fp32_bound, unit_roundoff
-from _shared import guarded_update
+from _shared import computed_stats, guarded_update
 
 C = 8
 N = 32  # values per channel in _batch
@@ -38,14 +38,6 @@ def _bn(seed=0):
 
 def _stats(bn):
     return bn.running_mean.detach().clone(), bn.running_var.detach().clone()
-
-
-def _computed_stats(bn):
-    """The stats the shim computes with: a half model's FP32 master (``keep_fp32="master"``), else the buffers."""
-    from amp_bn_fix import _master
-
-    master = _master.peek(bn.running_mean, bn.running_var)
-    return _stats(bn) if master is None else (master[0].clone(), master[1].clone())
 
 
 def _fp64_update(stats, x, momentum=0.1):
@@ -86,17 +78,17 @@ def _prepare(case):
 @pytest.mark.parametrize("case", sorted(HANDLED))
 def test_non_finite_batch_leaves_stats_exactly_and_next_batch_updates(case, bad):
     bn, dtype, autocast = _prepare(case)
-    before, computed = _stats(bn), _computed_stats(bn)
+    before, computed = _stats(bn), computed_stats(bn)
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
         out = bn(_batch(1, dtype, bad))
     assert not torch.isfinite(out).all()  # GradScaler still sees the bad step
     assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
-    assert all(torch.equal(a, b) for a, b in zip(_computed_stats(bn), computed))
+    assert all(torch.equal(a, b) for a, b in zip(computed_stats(bn), computed))
     good = _batch(2, dtype)
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
         bn(good)
     want_mean, want_var = _fp64_update(computed, good)
-    mean, var = _computed_stats(bn)
+    mean, var = computed_stats(bn)
     assert_near(mean, want_mean, N, what="running mean")
     assert_near(var, want_var, N, what="running var")
     # A half model's buffers hold its master rounded once.
@@ -161,7 +153,7 @@ def test_backward_with_the_guard(case, guard):
     bn, dtype, autocast = _prepare(case)
     reference = copy.deepcopy(_bn()).double()
     with torch.no_grad():  # from the stats the shim computes with (rounded by a cast without a master)
-        for stat, value in zip((reference.running_mean, reference.running_var), _computed_stats(bn)):
+        for stat, value in zip((reference.running_mean, reference.running_var), computed_stats(bn)):
             stat.copy_(value)
     x = _batch(3, dtype)
     upstream = torch.randn(32, C, generator=torch.Generator().manual_seed(4))
@@ -182,7 +174,7 @@ def test_backward_with_the_guard(case, guard):
         each = sum(getattr(branch, name).grad.abs() for branch in branches)
         bound = fp32_bound(exact, N, grad.dtype, scale=each.max().item()) + unit_roundoff(grad.dtype) * each
         assert_within(grad, exact, bound, what=f"{name} gradient")
-    assert_near(_computed_stats(bn)[1], reference.running_var, N, what="running var")
+    assert_near(computed_stats(bn)[1], reference.running_var, N, what="running var")
 
 
 @pytest.mark.parametrize("guard", [True, False])
@@ -203,7 +195,7 @@ def test_backward_through_an_eval_call_after_the_stats_were_updated(case, guard)
         second = bn(_batch(2, dtype))
     (first.float().sum() + second.float().sum()).backward()
     # As torch computes it: the eval call's backward reads the running variance at backward time.
-    scale = bn.weight.double() / (_computed_stats(bn)[1].double() + bn.eps).sqrt()
+    scale = bn.weight.double() / (computed_stats(bn)[1].double() + bn.eps).sqrt()
     assert_near(x.grad, scale.expand(x.shape), 1, what="input gradient")  # no sums: weight * invstd
 
 
