@@ -1,7 +1,11 @@
-"""One rank of real ``nn.SyncBatchNorm`` training on CPU (gloo), for tests/test_sync.py.
+"""One rank of real ``nn.SyncBatchNorm`` training over gloo, for tests/test_sync.py.
 
-SyncBatchNorm's syncing path (``torch.nn.modules._functions.SyncBatchNorm``) calls five ATen ops that
-have CUDA kernels only (in torch 2.13 none of them has a CPU kernel: "Could not run
+ROUTE is where the ranks run: ``cpu`` (the CPU's route through the shim), ``device-route`` (CPU
+calls taking the route a CUDA call takes, under :func:`amp_bn_fix.testing.device_route`) or
+``cuda`` (every rank on the one GPU, torch's own CUDA kernels, the tensors exchanged by gloo).
+
+On CPU: SyncBatchNorm's syncing path (``torch.nn.modules._functions.SyncBatchNorm``) calls five ATen
+ops that have CUDA kernels only (in torch 2.13 none of them has a CPU kernel: "Could not run
 'aten::batch_norm_stats' with arguments from the 'CPU' backend"), and ``nn.SyncBatchNorm.forward``
 refuses a CPU input before it gets there. In this process only, :func:`install_cpu_sync` puts CPU
 stand-ins for the five ops on ``torch`` (plain torch ops computing what the CUDA kernels compute, in
@@ -10,10 +14,10 @@ and lets the device check pass a CPU input. Everything else is torch's own: the 
 autograd function with its all_gather and all_reduce over the process group, and the shim's wrapper
 of ``SyncBatchNorm.apply`` (the syncing door), imported here with its default settings.
 
-Three scenarios, on a small Conv+SyncBatchNorm model whose parameter gradients are averaged over
+Four scenarios, on a small Conv+SyncBatchNorm model whose parameter gradients are averaged over
 the ranks after each backward (what DDP would do; DDP itself refuses CPU SyncBatchNorm modules):
 
-* ``fp32``: an FP32 model trained under ``torch.autocast("cpu", dtype=torch.bfloat16)``.
+* ``fp32``: an FP32 model trained under bfloat16 autocast.
 * ``half``: ``model.half()`` trained under float16 autocast (the stats' FP32 master).
 * ``nonfinite``: one finite step, then a forward whose batch holds an inf on rank 1 only.
 * ``broadcast``: a half model's BatchNorm trained on each rank's own batches, then its buffers
@@ -21,15 +25,16 @@ the ranks after each backward (what DDP would do; DDP itself refuses CPU SyncBat
 
 Each rank sees its own batches, of different sizes (the gathered statistics weigh them by count).
 Every SyncBatchNorm call is recorded (its input, parameters, output, running stats, master, and
-the gradients through it), and so is what the stand-ins were given and ``amp_bn_fix.report()``'s
-change over the scenario. The float64 references are computed by the test, not here (a float64
-call in this process would count as passed through). Writes ``OUT_DIR/rank<RANK>.pt``::
+the gradients through it, copied to the CPU), and so is what the stand-ins were given (on CPU) and
+``amp_bn_fix.report()``'s change over the scenario. The float64 references are computed by the test,
+not here (a float64 call in this process would count as passed through). Writes ``OUT_DIR/rank<RANK>.pt``::
 
-    python tests/sync_worker.py STORE_FILE OUT_DIR RANK WORLD_SIZE
+    python tests/sync_worker.py STORE_FILE OUT_DIR RANK WORLD_SIZE ROUTE
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pathlib
 import sys
@@ -44,10 +49,15 @@ from torch.nn.modules import batchnorm as batchnorm_module
 
 import amp_bn_fix
 from amp_bn_fix import _master
+from amp_bn_fix.testing import device_route
 
 STEPS = 3
 CHANNELS = 8
 BN_NAMES = ("1", "4")  # the SyncBatchNorms' paths in make_model()
+ROUTES = ("cpu", "device-route", "cuda")
+
+# Where the models and batches are: "cuda" for the route of that name (set by main).
+device = "cpu"
 
 
 # ---- CPU stand-ins for the CUDA-only ops of the syncing path -----------------------------------
@@ -185,7 +195,7 @@ def make_model() -> nn.Sequential:
         nn.Conv2d(3, CHANNELS, 3, padding=1), nn.SyncBatchNorm(CHANNELS), nn.ReLU(),
         nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1), nn.SyncBatchNorm(CHANNELS), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(CHANNELS, 2),
-    )
+    ).to(device)
 
 
 def batch(step: int, rank: int):
@@ -193,7 +203,12 @@ def batch(step: int, rank: int):
     data = torch.Generator().manual_seed(1000 * rank + step)
     x = torch.randn(8 - 2 * rank, 3, 6, 6, generator=data) * 20 + 50  # a mean far from zero
     y = (x[:, 0].mean((1, 2)) > x[:, 1].mean((1, 2))).long()
-    return x, y
+    return x.to(device), y.to(device)
+
+
+def kept(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` on the CPU, as it is now."""
+    return t.detach().to("cpu", copy=True)
 
 
 def sync_bns(model: nn.Module) -> List[nn.Module]:
@@ -202,8 +217,7 @@ def sync_bns(model: nn.Module) -> List[nn.Module]:
 
 def stats_of(m: nn.Module) -> Dict[str, torch.Tensor]:
     master = _master.peek(m.running_mean, m.running_var)
-    return dict(mean=m.running_mean.detach().clone(), var=m.running_var.detach().clone(),
-                master=None if master is None else master.clone())
+    return dict(mean=kept(m.running_mean), var=kept(m.running_var), master=None if master is None else kept(master))
 
 
 class Record:
@@ -216,16 +230,16 @@ class Record:
             m.register_forward_hook(lambda m, args, out: self._post(out))
 
     def _pre(self, index: int, m: nn.Module, x: torch.Tensor) -> None:
-        call = dict(bn=index, x=x.detach().clone(), weight=m.weight.detach().clone(), bias=m.bias.detach().clone())
+        call = dict(bn=index, x=kept(x), weight=kept(m.weight), bias=kept(m.bias))
         self.calls.append(call)
         if x.requires_grad:
-            x.register_hook(lambda g: call.__setitem__("grad_in", g.detach().clone()))
+            x.register_hook(lambda g: call.__setitem__("grad_in", kept(g)))
 
     def _post(self, out: torch.Tensor) -> None:
         call = self.calls[-1]
-        call["out"] = out.detach().clone()
+        call["out"] = kept(out)
         if out.requires_grad:
-            out.register_hook(lambda g: call.__setitem__("grad_out", g.detach().clone()))
+            out.register_hook(lambda g: call.__setitem__("grad_out", kept(g)))
 
     def stats_after(self, model: nn.Module) -> None:
         for call in self.calls[-len(BN_NAMES):]:
@@ -243,7 +257,7 @@ def average_gradients(model: nn.Module) -> None:
 
 def step(model: nn.Module, record: Record, x: torch.Tensor, y: torch.Tensor, autocast_dtype: torch.dtype,
          optimizer: Optional[torch.optim.Optimizer]) -> None:
-    with torch.autocast("cpu", dtype=autocast_dtype):
+    with torch.autocast(device, dtype=autocast_dtype):
         loss = F.cross_entropy(model(x).float(), y)
     record.stats_after(model)
     if optimizer is not None:
@@ -298,19 +312,19 @@ def broadcast_buffers(rank: int) -> Dict[str, Any]:
     """A half model's BatchNorm buffers broadcast from rank 0 (what DDP's ``broadcast_buffers`` does
     before each forward): a collective write no version counter sees."""
     torch.manual_seed(0)
-    bn = nn.BatchNorm2d(3).bfloat16()
+    bn = nn.BatchNorm2d(3).bfloat16().to(device)
     for i in range(STEPS):  # each rank's own batches: the masters differ
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             bn(batch(i, rank)[0].bfloat16())
     dist.broadcast(bn.running_mean, 0)
     dist.broadcast(bn.running_var, 0)
     x = batch(0, 0)[0].bfloat16()  # one input on every rank
     bn.eval()
     eval_plain = bn(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         eval_autocast = bn(x)
-    master = _master.peek(bn.running_mean, bn.running_var)
-    return dict(buffers=stats_of(bn), eval_plain=eval_plain, eval_autocast=eval_autocast, master=master.clone())
+    return dict(buffers=stats_of(bn), eval_plain=kept(eval_plain), eval_autocast=kept(eval_autocast),
+                master=kept(_master.peek(bn.running_mean, bn.running_var)))
 
 
 SCENARIOS = {"fp32": fp32_model, "half": half_model, "nonfinite": nonfinite_batch, "broadcast": broadcast_buffers}
@@ -330,20 +344,29 @@ def run_scenario(name: str, rank: int) -> Dict[str, Any]:
     return result
 
 
-def main(store: str, out_dir: pathlib.Path, rank: int, world_size: int) -> None:
+def main(store: str, out_dir: pathlib.Path, rank: int, world_size: int, route: str) -> None:
+    global device
+    if route not in ROUTES:
+        raise SystemExit(f"ROUTE must be one of {ROUTES}, not {route!r}")
     torch.set_num_threads(1)
-    install_cpu_sync()
+    if route == "cuda":
+        device = "cuda"
+        torch.cuda.set_device(0)  # every rank on the one GPU
+    else:
+        install_cpu_sync()
     config = amp_bn_fix.get_config()
     results: Dict[str, Any] = dict(
         rank=rank,
+        route=route,
         shim=dict(enabled=amp_bn_fix.is_enabled(), policy=config.policy, keep_fp32=config.keep_fp32,
                   guard=config.guard),
     )
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        for name in SCENARIOS:
-            results[name] = run_scenario(name, rank)
+        with device_route() if route == "device-route" else contextlib.nullcontext():
+            for name in SCENARIOS:
+                results[name] = run_scenario(name, rank)
         torch.save(results, out_dir / f"rank{rank}.pt")
         # Both ranks done before either tears down: gloo aborts a rank whose peer hangs up mid-exchange.
         dist.barrier()
@@ -352,4 +375,4 @@ def main(store: str, out_dir: pathlib.Path, rank: int, world_size: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], pathlib.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], pathlib.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

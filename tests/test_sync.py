@@ -2,8 +2,9 @@
 
 Its kernels are CUDA-only, so on CPU the sync function is replaced by a recorder that does what it
 does for one rank (batch statistics, running-stat update, normalization) and notes what it got.
-At the end, real ``nn.SyncBatchNorm`` training across two gloo ranks on CPU, its CUDA-only ops
-replaced by CPU stand-ins in the worker processes (tests/sync_worker.py).
+At the end, real ``nn.SyncBatchNorm`` training across two gloo ranks (tests/sync_worker.py): on CPU,
+its CUDA-only ops replaced by CPU stand-ins in the worker processes, on the CPU's route and on the
+route a CUDA call takes; and both ranks on one GPU, with torch's own kernels.
 """
 
 import pathlib
@@ -236,17 +237,18 @@ def test_real_sync_function_on_cuda(tmp_path):
         dist.destroy_process_group()
 
 
-# ---- nn.SyncBatchNorm itself, across two gloo ranks on CPU: tests/sync_worker.py ---------------
+# ---- nn.SyncBatchNorm itself, across two gloo ranks: tests/sync_worker.py -----------------------
 #
 # Real training through SyncBatchNorm.apply with world size 2: its all_gather and all_reduce run
-# over a gloo group on the loopback interface, its CUDA-only ops are replaced by CPU stand-ins in
-# the worker processes only (see the worker's docstring), and the shim's wrapper is the syncing door.
+# over a gloo group on the loopback interface, and the shim's wrapper is the syncing door. On CPU
+# its CUDA-only ops are replaced by CPU stand-ins in the worker processes only (see the worker's
+# docstring), on the CPU's route and on the device route; on a GPU both ranks share it.
 
 SYNC_WORKER = pathlib.Path(__file__).resolve().parent / "sync_worker.py"
 RANKS, STEPS, BNS = 2, 3, 2  # the worker's: two SyncBatchNorms, three steps
 
 
-def _start_ranks(out):
+def _start_ranks(out, route):
     env = child_env(OMP_NUM_THREADS="1")
     if sys.platform.startswith("linux"):
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs connect over the loopback interface only
@@ -254,7 +256,7 @@ def _start_ranks(out):
     if store.exists():
         store.unlink()
     return [
-        subprocess.Popen([sys.executable, str(SYNC_WORKER), str(store), str(out), str(rank), str(RANKS)],
+        subprocess.Popen([sys.executable, str(SYNC_WORKER), str(store), str(out), str(rank), str(RANKS), route],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(RANKS)
     ]
@@ -276,19 +278,19 @@ def _finish_ranks(procs):
     return results
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """Every rank's record of tests/sync_worker.py's scenarios (one run of the pair, shared)."""
-    out = tmp_path_factory.mktemp("sync-ranks")
-    results = _finish_ranks(_start_ranks(out))
+@pytest.fixture(scope="module", params=["cpu", "device-route", pytest.param("cuda", marks=pytest.mark.cuda)])
+def ranks(request, tmp_path_factory):
+    """Every rank's record of tests/sync_worker.py's scenarios on one route (one run of the pair, shared)."""
+    out = tmp_path_factory.mktemp(f"sync-ranks-{request.param}")
+    results = _finish_ranks(_start_ranks(out, request.param))
     # gloo can abort a rank while the group tears down on a loaded machine (see conftest's run_torchrun).
     if any(code == -signal.SIGABRT for code, _ in results):
-        results = _finish_ranks(_start_ranks(out))
+        results = _finish_ranks(_start_ranks(out, request.param))
     for rank, (code, output) in enumerate(results):
         assert code == 0, f"rank {rank} exited with {code}:\n{output[-6000:]}"
     records = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(RANKS)]
     for rank, record in enumerate(records):
-        assert record["rank"] == rank
+        assert record["rank"] == rank and record["route"] == request.param
         assert record["shim"] == {"enabled": True, "policy": "fp32", "keep_fp32": "master", "guard": True}
     return records
 
@@ -332,8 +334,9 @@ def test_sync_batchnorm_trains_across_two_ranks_in_fp32(ranks):
     are the same on both ranks and the float64 update of the global batch's statistics."""
     for record in ranks:
         seen = record["fp32"]["seen"]
-        assert seen["gathered_rows"] == [RANKS] * (STEPS * BNS)  # world size 2: one row per rank
-        assert seen["stats"] == [{"dtype": "torch.float32", "autocast": False}] * (STEPS * BNS)
+        if record["route"] != "cuda":  # what the CPU stand-ins were given
+            assert seen["gathered_rows"] == [RANKS] * (STEPS * BNS)  # world size 2: one row per rank
+            assert seen["stats"] == [{"dtype": "torch.float32", "autocast": False}] * (STEPS * BNS)
     for bn in range(BNS):
         steps = _steps(ranks, "fp32", bn)
         assert len(steps) == STEPS
@@ -403,13 +406,15 @@ def test_report_counts_the_syncing_calls_as_handled(ranks, scenario, calls):
         run = record[scenario]
         assert run["handled"] == {"fp32": calls}
         assert run["passed_through"] == 0
-        assert len(run["seen"]["gathered_rows"]) == calls  # each one the syncing function's
+        if record["route"] != "cuda":
+            assert len(run["seen"]["gathered_rows"]) == calls  # each one the syncing function's
 
 
 @pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
 def test_a_non_finite_batch_on_one_rank_leaves_both_ranks_stats(ranks):
     """An inf in rank 1's batch: the gathered statistics are not finite on either rank, so the guard
-    keeps both ranks' running stats as they were after the previous (finite) step, bit for bit."""
+    keeps both ranks' running stats as they were after the previous (finite) step, bit for bit. The
+    CPU's route warns at the first skip; the device route counts without reading the device."""
     for record in ranks:
         run = record["nonfinite"]
         for bn, (before, after) in enumerate(zip(run["before"], run["after"])):
@@ -418,7 +423,10 @@ def test_a_non_finite_batch_on_one_rank_leaves_both_ranks_stats(ranks):
                 assert after[stat].dtype == torch.float32
                 assert torch.equal(after[stat].view(torch.int32), before[stat].view(torch.int32)), (bn, stat)
         assert run["guard_skips"] == {"1": 1, "4": 1}  # each SyncBatchNorm, by its path in the model
-        assert len(run["warnings"]) == 1 and "not finite" in run["warnings"][0]
+        if record["route"] == "cpu":
+            assert len(run["warnings"]) == 1 and "not finite" in run["warnings"][0]
+        else:
+            assert run["warnings"] == []
         # Rank 0's own batch is finite: its output is not, since the statistics are rank 1's too.
         last_first_bn = [call for call in run["calls"] if call["bn"] == 0][-1]
         assert not torch.isfinite(last_first_bn["out"]).all()
