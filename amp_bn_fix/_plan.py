@@ -79,7 +79,8 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
     copies, whose average the door guards). First the test every call pays: a 16-bit input, or an
     FP32 one under a TorchFunctionMode (strict export's records autocast regions without entering
     them) or next to 16-bit weights or stats. Then the common call (the one BatchNorm modules make
-    under autocast), decided in a few reads; every other call by the questions below it.
+    under autocast), decided in a few reads, and a half model's eval call outside autocast, left to
+    torch in a few more; every other call by the questions below them.
     """
     input, mean, var, weight, bias, training, _, _ = call
     dtype = getattr(input, "dtype", None)
@@ -128,6 +129,12 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
             if found is None:
                 found = _plain_plans[key] = Plan(_out_dtype(policy, device_type, dtype), guard, policy, False, True)
             return found
+    # A half model's eval call outside autocast (every tensor in the input's dtype) is torch's own,
+    # whatever the policy: decided here, unless float16 buffers overflowed that have a master.
+    if (training is False and device_type is not None and not _is_autocast_enabled(device_type)
+            and not function_mode_enabled() and not _mixed(call, dtype) and mean is not None and var is not None
+            and not (dtype is _F16 and config.keep_fp32 == "master" and _master.holds_more(mean, var))):
+        return None
     device_type = input.device.type
     policy = _state.policy(device_type)
     # Strict torch.export traces with dynamo too, but keeps no compiled code a scope could miss.
@@ -211,7 +218,7 @@ def _left_to_torch(call: Tuple[Any, ...]) -> bool:
 def _mixed(call: Tuple[Any, ...], dtype: torch.dtype) -> bool:
     """Whether a tensor's dtype differs from the 16-bit input's: a mix torch's kernels reject outside
     autocast (half weight with FP32 stats, what ``model.half()`` leaves when the stats are kept FP32)."""
-    return any(t is not None and t.dtype is not dtype for t in call[1:5])
+    return any(t is not None and getattr(t, "dtype", None) is not dtype for t in call[1:5])
 
 
 def _left_by_keep_stats(call: Tuple[Any, ...], dtype: torch.dtype) -> bool:

@@ -5,10 +5,14 @@ common one, the plan decides it in a few reads and marks it ``plain``, and ``_co
 the questions such a call has settled. The same call planned as any other (``plain`` off, the
 ``general`` runs here) must give the same output, gradients, running stats and record, bit for bit,
 on every route; so must the same call spelled with keywords.
+
+The plan's second early return, a half model's eval call outside autocast, must make the plan the
+general questions make, across every setting (the last section).
 """
 
 import contextlib
 import functools
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -20,11 +24,13 @@ import wrapt
 
 import amp_bn_fix
 from _shared import SUBPROCESS_TIMEOUT, child_env
-from amp_bn_fix import _compute, _doors, _plan, _record
+from amp_bn_fix import _compute, _doors, _master, _plan, _record, _state, _tuning
 
 NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 # The calls' tests on the CPU's route (its guard both ways) and on the route a CUDA call takes (see conftest).
 every_route = pytest.mark.usefixtures("every_route")
+both_routes = pytest.mark.usefixtures("both_routes")
+POLICIES = ["fp32", "input", "autocast", "off"]
 
 
 @pytest.fixture
@@ -339,3 +345,74 @@ def test_an_fp32_input_under_a_default_device_mode_is_torchs(lane_calls, by_keyw
     assert lane_calls == []
     assert amp_bn_fix.report()["handled"] == {}
     assert out.dtype is torch.float32
+
+
+# ---- The half model's eval lane: an eval call outside autocast, every tensor in the input's dtype ----
+
+
+def _planned_in_full(call):
+    """The plan of ``call`` made by the general questions, past the half model's eval lane (which a
+    TorchFunctionMode keeps closed; none is active, and the questions below it ask torch's own state)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_plan, "function_mode_enabled", lambda: True)
+        return _plan.plan(call)
+
+
+def _half_bn(dtype, state):
+    """A 16-bit BatchNorm2d(6) whose buffers have no master, a master, or a master beyond float16's
+    range (its 16-bit variance an inf): made under the default settings, on the route under test."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(6).to(dtype)
+    if state != "no master":
+        scale = 3e3 if state == "overflowed" else 1.0
+        with torch.autocast("cpu", dtype=dtype), torch.no_grad():
+            bn((torch.randn(8, 6, 4, 4) * scale).to(dtype))
+        assert _master.peek(bn.running_mean, bn.running_var) is not None
+        assert torch.isinf(bn.running_var).any() == (state == "overflowed")
+    return bn
+
+
+CALL_FORMS = {
+    "half model": lambda bn, x: (x, bn.running_mean, bn.running_var, bn.weight, bn.bias),
+    "affine=False": lambda bn, x: (x, bn.running_mean, bn.running_var, None, None),
+    "FP32 weight": lambda bn, x: (x, bn.running_mean, bn.running_var, bn.weight.float(), bn.bias),
+    "FP32 stats": lambda bn, x: (x, bn.running_mean.float(), bn.running_var.float(), bn.weight, bn.bias),
+    "no stats": lambda bn, x: (x, None, None, bn.weight, bn.bias),
+    "FP32 input": lambda bn, x: (x.float(), bn.running_mean, bn.running_var, bn.weight, bn.bias),
+}
+
+
+@both_routes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("state", ["no master", "master", "overflowed"])
+@pytest.mark.parametrize("form", list(CALL_FORMS))
+def test_half_model_eval_lane_equals_full_decision(dtype, state, form, monkeypatch):
+    """Every setting, in and out of autocast, in eval and training: the plan with the lane is the
+    plan the general questions make (the lane decides only what they would)."""
+    if state == "overflowed" and dtype is torch.bfloat16:
+        pytest.skip("bfloat16 holds any variance these inputs give")
+    bn = _half_bn(dtype, state)
+    x = torch.randn(4, 6, 3, 3).to(dtype)
+    tensors = CALL_FORMS[form](bn, x)
+    # The general questions start with the policy; the lane decides before it.
+    asked = []
+    policy_of = _state.policy
+    monkeypatch.setattr(_state, "policy", lambda *args: asked.append(1) or policy_of(*args))
+    in_lane = []
+    for policy, keep_fp32, devices, autocast, training in itertools.product(
+            POLICIES, ["master", "none"], [None, ["cuda"]], [False, True], [False, True]):
+        call = (*tensors, training, 0.1, 1e-5)
+        with amp_bn_fix.configure(policy=policy, keep_fp32=keep_fp32, devices=devices), \
+                torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            asked.clear()
+            planned = _plan.plan(call)
+            if not asked:
+                in_lane.append((policy, keep_fp32, autocast, training))
+            full = _planned_in_full(call)
+        assert planned == full, (policy, keep_fp32, devices, autocast, training)
+    # Only eval calls outside autocast of the forms the lane is for take it: all of them, but a
+    # float16 master beyond the buffers' range on the host route under keep_fp32="master".
+    reads_master = state == "overflowed" and _tuning.host_route(x)
+    expected = [(policy, keep_fp32, False, False) for policy in POLICIES for keep_fp32 in ["master", "none"]
+                if not (reads_master and keep_fp32 == "master")] * 2
+    assert sorted(in_lane) == (sorted(expected) if form in ("half model", "affine=False") else [])
