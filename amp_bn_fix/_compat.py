@@ -8,6 +8,8 @@ from typing import Any, ContextManager, Optional, Tuple
 
 import torch
 import torch._guards
+
+from . import _state
 import torch.autograd.forward_ad
 from torch.overrides import _get_current_function_mode_stack, has_torch_function_variadic
 from torch.utils._device import DeviceContext
@@ -31,8 +33,6 @@ _interpreter_stack = getattr(_functorch, "get_interpreter_stack", None)
 _VMAP = _functorch.TransformType.Vmap
 # Whether any TorchFunctionMode is active (strict export's, torch.set_default_device's...): one C call.
 function_mode_enabled = _function_mode_enabled
-# True for a batched (vmap, either kind), functorch-wrapped or Python-subclass tensor.
-subclass_like = torch._C._dispatch_isTensorSubclassLike
 _DispatchKey = torch._C.DispatchKey
 # torch.jit.trace is recording this call.
 jit_tracing = torch._C._is_tracing
@@ -44,6 +44,7 @@ except ImportError:  # torch < 2.6
     _compiler_config = None
 _TAG_SEPARATOR = "|amp_bn_fix:"
 _modules = sys.modules
+_thread = _state.thread
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -76,6 +77,9 @@ def autocast_disabled(device_type: str) -> ContextManager[object]:
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
+
+# The 16-bit floating dtypes autocast computes in, which the shim brings to FP32: the one tuple of them.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # The autocast dispatch key of each device type that has one: the one table of them.
 AUTOCAST_KEYS = {
@@ -146,7 +150,8 @@ def untraced(*tensors: Optional[torch.Tensor]) -> bool:
     # tensors' types are exact, so a torch function override can only come from a mode.
     return not (
         (_has_torch_function(*tensors) and not _only_default_device_modes())
-        or _dispatch_stack_len()  # counts the infra modes (fake, proxy, functional)
+        # Counts the infra modes (fake, proxy, functional); ``amp_bn_fix.testing``'s counters record nothing.
+        or _dispatch_stack_len() > _thread.counters
         # Pre-dispatch tracing (torch.export) keeps its modes apart and includes this key.
         or _key_included(_PRE_DISPATCH)
         or _functorch_active()

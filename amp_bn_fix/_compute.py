@@ -11,8 +11,9 @@ Kernels, for a float16/bfloat16 input:
   a device whose kernel computes a 16-bit input with FP32 parameters and statistics in FP32 (CPU
   for contiguous and channels_last inputs, CUDA's native and cuDNN kernels): the input goes
   straight to torch's kernel, with no copy.
-* FP32 output in training on CPU, large inputs (:mod:`._kernels`): statistics reduced from the
-  16-bit input, no FP32 copy of it kept.
+* FP32 output in plain eager mode (:mod:`._kernels`): statistics reduced from the 16-bit input and
+  the output written from it, no FP32 copy of it made or kept. On the route a CUDA call takes for
+  every valid call, training and eval; on the host route (CPU) for large training calls.
 * Otherwise the reference: ``original(input.float(), ...)`` with FP32 parameters and statistics.
 """
 
@@ -115,9 +116,13 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
                                                     training, momentum, eps)
                 else:
                     out = original(input, work_mean, work_var, weight, bias, training, momentum, eps)
-            elif (native and host and training and input.numel() >= _tuning.MIN_VALUES
-                  and _kernels.fp32_train_eligible(input, work_mean, work_var, weight, bias, training, momentum, eps)):
-                out = _kernels.fp32_train_batch_norm(input, work_mean, work_var, weight, bias, momentum, eps)
+            elif (native and eager and out_dtype is _F32
+                  # The sizes below which no route takes a call, read before a call to ask the route.
+                  and input.numel() >= (_tuning.MIN_VALUES if host else _tuning.DEVICE_MIN_VALUES)
+                  and (chunked := _kernels.fp32_route(host, input, work_mean, work_var, weight, bias, training,
+                                                      momentum, eps)) is not None):
+                out = _kernels.fp32_batch_norm(input, work_mean, work_var, weight, bias, training, momentum, eps,
+                                               chunked)
             else:
                 # A region strict export records takes the input as it comes under the ``input``
                 # policy (no output dtype): torch's mixed-dtype kernels compute it in FP32 there.

@@ -29,8 +29,8 @@ import torch
 from torch.overrides import has_torch_function_variadic
 
 from . import _compute, _guard, _record, _state, _tuning
-from ._compat import exclude_autocast, foreach_copy, restore_autocast, untraced
-from ._plan import LOW_PRECISION, bind, plan
+from ._compat import LOW_PRECISION, exclude_autocast, foreach_copy, restore_autocast, untraced
+from ._plan import bind, plan
 
 _thread = _state.thread
 _counts = _record.counts

@@ -1,22 +1,23 @@
-"""Fast paths for a half-precision batch norm computed in FP32 (CPU).
+"""Batch norm of a half-precision input computed in FP32 without the reference's cost.
 
-Both paths compute what the reference ``F.batch_norm(x.float(), ...)`` computes (FP32 statistics,
-normalization and running-stat update) without its cost. On CPU the FP32 training kernel is slow
-for NCHW inputs and a half-to-float copy costs about as much as a whole mixed-dtype batch norm,
-while the native mixed-dtype kernel (half input, FP32 parameters and statistics) accumulates in
-FP32, normalizes in FP32 and rounds once. Its statistics accumulate a whole channel in float
-where the FP32 kernel's accumulate in double: about 1e-5 relative error in the variance at 1e5
-values per channel, far below one half-precision rounding of the output, and exactly what native
-autocast computes.
+Both compute what the reference ``F.batch_norm(x.float(), ...)`` computes (FP32 statistics,
+normalization and running-stat update) without an FP32 copy of the input. On CPU the FP32
+training kernel is slow for NCHW inputs and a half-to-float copy costs about as much as a whole
+mixed-dtype batch norm, while the native mixed-dtype kernel (half input, FP32 parameters and
+statistics) accumulates in FP32, normalizes in FP32 and rounds once. Its statistics accumulate a
+whole channel in float where the FP32 kernel's accumulate in double: about 1e-5 relative error in
+the variance at 1e5 values per channel, far below one half-precision rounding of the output, and
+exactly what native autocast computes. On a GPU, time follows the bytes each kernel moves, and
+the copy is most of them.
 
-* :func:`mixed_batch_norm`: half output, the native mixed kernel, no copy of the input.
-* :func:`fp32_train_batch_norm`: FP32 output in training; batch statistics reduced row by row
-  from the half input and combined in float64 (as accurate as the FP32 kernel's), then the
-  input upcast into the FP32 output and normalized there, in cache-sized chunks. Only the half
-  input is kept for backward, which upcasts it again, in chunks too.
+* :func:`mixed_batch_norm`: half output, the native mixed kernel (CPU), no copy of the input.
+* :func:`fp32_batch_norm`: FP32 output. Batch statistics read from the half input (on CPU row by
+  row and combined in float64, as accurate as the FP32 kernel's), then the output written from it
+  once; only the half input is kept for backward, which upcasts it again (on CPU a chunk at a
+  time). :func:`fp32_route` says where it runs and how.
 
-The callers run these on CPU in plain eager mode only (:func:`~amp_bn_fix._compat.plain_eager`),
-with autocast disabled and with FP32 (or absent) parameters and statistics: they write the running
+The callers run these in plain eager mode only (:func:`~amp_bn_fix._compat.plain_eager`), with
+autocast disabled and with FP32 (or absent) parameters and statistics: they write the running
 stats through ``.data``, run a Python ``autograd.Function`` and make scratch tensors, none of which
 a tracer would record faithfully.
 """
@@ -29,7 +30,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from . import _tuning
-from ._compat import subclass_like as _subclass_like
+from ._compat import LOW_PRECISION, plain_eager
 
 _aten = torch.ops.aten
 # Rows (one sample, one channel) shorter than this make :func:`_batch_stats` slow: the kernel
@@ -84,7 +85,8 @@ def mixed_kernel_layout(input: torch.Tensor) -> Optional[torch.memory_format]:
     return None
 
 
-def fp32_train_eligible(
+def fp32_route(
+    host: bool,
     input: torch.Tensor,
     running_mean: Optional[torch.Tensor],
     running_var: Optional[torch.Tensor],
@@ -93,78 +95,119 @@ def fp32_train_eligible(
     training: object,
     momentum: object,
     eps: object,
-) -> bool:
-    """Whether :func:`fp32_train_batch_norm` computes this call.
+) -> Optional[bool]:
+    """How :func:`fp32_batch_norm` computes this call: ``True`` in chunks (the host route), ``False``
+    whole (the route a CUDA call takes), ``None`` not at all (the reference computes it).
 
-    This path runs no native op that would check the arguments, so everything ``F.batch_norm``
-    would reject (an argument of the wrong type, one value per channel, ``eps <= 0``, a tensor of
-    the wrong size, dtype or device), and the empty batch it special-cases, goes to the reference
-    path: errors and edge cases stay the original's. So do layouts other than contiguous NCHW: the
-    row-wise reduction would copy them, and the reference path is fast for channels_last.
+    The route runs no native batch-norm op that would check the arguments, so everything
+    ``F.batch_norm`` would reject (an argument of the wrong type, one value per channel, ``eps <= 0``,
+    a tensor of the wrong size, dtype or device, stats that require grad), and the empty batch it
+    special-cases, goes to the reference: errors and edge cases stay the original's.
+
+    On the host route only large training calls in contiguous NCHW pay for the chunks' many small
+    ops (``_tuning``); other layouts would be copied by the row-wise reduction, and the reference
+    is fast for channels_last. On the device route large calls in every layout, training and eval
+    alike: there the reference's FP32 copy of the input is what costs, and small calls pay for
+    launches instead (``_tuning.DEVICE_MIN_VALUES``; see ``docs/performance.md``).
     """
-    if training is not True or input.numel() < _tuning.min_values():
-        return False
-    if type(momentum) not in (int, float) or type(eps) not in (int, float):
-        return False
+    if host:
+        if training is not True or input.numel() < _tuning.min_values():
+            return None
+    elif (training is not True and training is not False) or input.numel() < _tuning.DEVICE_MIN_VALUES:
+        return None
+    if input.dtype not in LOW_PRECISION or type(momentum) not in (int, float) or type(eps) not in (int, float):
+        return None
     shape = input.shape
-    if len(shape) < 2 or not input.is_contiguous() or not eps > 0.0 or (running_mean is None) is not (running_var is None):
-        return False
+    if len(shape) < 2 or not eps > 0.0 or (running_mean is None) is not (running_var is None):
+        return None
     values = input.numel() // shape[1] if shape[1] else 0
-    if values < 2 or values < _tuning.MIN_PER_CHANNEL or _row_pieces(values // shape[0]) is None:
+    if values < (2 if training else 1) or (not training and running_mean is None):
+        return None
+    channels, device = (shape[1],), input.device
+    for t in (running_mean, running_var, weight, bias):
+        if t is not None and (t.shape != channels or t.dtype is not torch.float32 or t.device != device):
+            return None
+    for stat in (running_mean, running_var):
+        if stat is not None and stat.requires_grad:
+            return None
+    if not host:
         return False
-    channels = (shape[1],)
-    return all(
-        t is None or (t.shape == channels and t.dtype is torch.float32 and t.is_cpu)
-        for t in (running_mean, running_var, weight, bias)
-    )
+    if not input.is_contiguous() or values < _tuning.MIN_PER_CHANNEL or _row_pieces(values // shape[0]) is None:
+        return None
+    return True
 
 
-class _NormalizeWithBatchStats(torch.autograd.Function):
-    """``(x - mean) * invstd * weight + bias`` in FP32 for a half ``x``, ``mean``/``var`` its batch statistics.
+def _scale_and_shift(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                     mean: torch.Tensor, invstd: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel FP32 ``scale`` and ``shift`` with ``output = input * scale + shift``, shaped to
+    broadcast over ``input``: the normalization and the affine transform in one."""
+    scale = invstd if weight is None else invstd * weight
+    shift = -mean * scale if bias is None else torch.addcmul(bias, mean, scale, value=-1)
+    view = (-1,) + (1,) * (input.dim() - 2)
+    return scale.view(view), shift.view(view)
 
-    The statistics come in detached; the backward is the training-mode one, so the gradient flows
-    through them as it does in ``F.batch_norm``. Only the half input is saved for backward (half
-    the bytes of an FP32 copy, and a tensor the caller holds anyway): the backward upcasts it
-    again, exactly, a chunk at a time (:func:`_backward_in_chunks`); with
-    ``create_graph`` the backward is torch's FP32 one on the whole upcast input, ATen ops with
-    their own derivatives, so double backward works.
+
+class _Normalize(torch.autograd.Function):
+    """``(x - mean) * invstd * weight + bias`` in FP32 for a half ``x``: batch statistics in training,
+    the running stats in eval.
+
+    The statistics come in detached; the backward is torch's for the mode, so the gradient flows
+    through the batch statistics as it does in ``F.batch_norm``, and an eval call's backward reads
+    the running stats as they are at backward time, as torch's kernels do (a training call may
+    have updated them in between, without a version bump). Only the half input is saved for
+    backward (half the bytes of an FP32 copy, and a tensor the caller holds anyway). ``chunked``
+    (CPU, training): the forward and the backward upcast it a chunk at a time, in cache
+    (:func:`_backward_in_chunks`). Else, and with ``create_graph``, the backward is torch's FP32
+    one on the whole upcast input, an ATen op with its own derivative (so double backward works)
+    on every device: CUDA's backward kernels read the incoming gradient as the input's dtype
+    (``aten/src/ATen/native/cuda/Normalization.cuh``: ``batch_norm_backward_kernel`` and
+    ``batch_norm_backward_reduce_kernel`` take both through one ``input_scalar_t`` accessor), so
+    they would round the FP32 gradient to 16 bits first.
     """
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                mean: torch.Tensor, var: torch.Tensor, eps: float) -> torch.Tensor:
+                mean: torch.Tensor, var: torch.Tensor, eps: float, training: bool, chunked: bool) -> torch.Tensor:
         invstd = torch.rsqrt(var + eps)
-        scale = invstd if weight is None else invstd * weight
-        shift = -mean * scale if bias is None else torch.addcmul(bias, mean, scale, value=-1)
-        view = (-1,) + (1,) * (input.dim() - 2)
-        scale, shift = scale.view(view), shift.view(view)
-        # One FP32 allocation, the output, filled a chunk at a time: each chunk is upcast, then
-        # normalized in place while it is still in cache (on the whole tensor at once, the two
-        # in-place passes would each go to memory).
-        out = torch.empty(input.shape, dtype=torch.float32, device=input.device)
-        for rows in _chunks(input):
-            out[rows].copy_(input[rows]).mul_(scale).add_(shift)
-        ctx.save_for_backward(input, weight, mean, invstd)
-        ctx.eps = eps
-        return out
+        ctx.save_for_backward(input, weight, mean, invstd if training else var)
+        ctx.eps, ctx.training, ctx.chunked = eps, training, chunked
+        return _normalized(input, *_scale_and_shift(input, weight, bias, mean, invstd), chunked)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        input, weight, mean, invstd = ctx.saved_tensors
+        input, weight, mean, spread = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        if torch.is_grad_enabled() or _subclass_like(grad):
-            # create_graph: torch's backward, whose own derivative gives the double backward.
-            # Batched gradients (``is_grads_batched``, torch.func over the backward) too: the
-            # chunked backward's in-place updates of plain tensors cannot take a batched operand.
+        if ctx.chunked and not torch.is_grad_enabled() and plain_eager(grad):
+            grad_input, grad_weight, grad_bias = _backward_in_chunks(grad, input, weight, mean, spread, ctx.eps)
+        else:
+            # So do batched gradients (``is_grads_batched``, torch.func over the backward) and tracers:
+            # the chunked backward's in-place updates of plain tensors cannot take a batched operand.
+            # CUDA's kernel asserts that the saved statistics are defined, empty in eval.
+            saved = (None, None, mean, spread) if ctx.training else (mean, spread, mean[:0], spread[:0])
             grad_input, grad_weight, grad_bias = _aten.native_batch_norm_backward(
-                grad, input.float(), weight, None, None, mean, invstd, True, ctx.eps, [needs[0], needs[1], needs[2]]
+                grad, input.float(), weight, *saved, ctx.training, ctx.eps, [needs[0], needs[1], needs[2]]
             )
             if grad_input is not None:
                 grad_input = grad_input.to(input.dtype)
-        else:
-            grad_input, grad_weight, grad_bias = _backward_in_chunks(grad, input, weight, mean, invstd, ctx.eps)
         return (grad_input if needs[0] else None, grad_weight if needs[1] else None,
-                grad_bias if needs[2] else None, None, None, None)
+                grad_bias if needs[2] else None, None, None, None, None, None)
+
+
+def _normalized(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, chunked: bool) -> torch.Tensor:
+    """``input * scale + shift`` in FP32, written once from the 16-bit input (an ``addcmul`` promotes
+    its operands: CUDA reads the 16-bit values and writes FP32 in one pass, 6 bytes an element).
+    The output keeps the input's memory format.
+
+    ``chunked`` (CPU, contiguous): one FP32 allocation, the output, filled a chunk at a time: each
+    chunk is upcast, then normalized in place while it is still in cache. CPU kernels upcast a
+    promoted operand into a temporary first, and an ``addcmul`` per chunk measured 1.5x slower.
+    """
+    if not chunked:
+        return torch.addcmul(shift, input, scale)
+    out = torch.empty(input.shape, dtype=torch.float32, device=input.device)
+    for rows in _chunks(input):
+        out[rows].copy_(input[rows]).mul_(scale).add_(shift)
+    return out
 
 
 def _backward_in_chunks(
@@ -238,13 +281,6 @@ def _samples_per_part(samples: int, length: int) -> int:
     return max(k for k in range(1, max(1, _MAX_ROW // length) + 1) if samples % k == 0)
 
 
-def _float_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and biased variance of a half ``input``, reduced in float by the mixed kernel."""
-    # Its running stats are required for FP32 results; momentum 0 leaves these scratch ones alone.
-    scratch = torch.zeros(2, input.shape[1], dtype=torch.float32, device=input.device)
-    return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
-
-
 def _batch_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-channel mean and biased variance of a half ``input``, in float64, to FP32 accuracy.
 
@@ -262,11 +298,11 @@ def _batch_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     group = _samples_per_part(samples, length)
     if group == 1:
         pieces = _row_pieces(length)
-        part_mean, part_var = _float_stats(input.reshape(1, samples * channels * pieces, -1))  # type: ignore[operator]
+        part_mean, part_var = _update_stats(input.reshape(1, samples * channels * pieces, -1), None, None, 0.0)  # type: ignore[operator]
         part_mean, part_var = (t.view(samples, channels, -1).transpose(0, 1).reshape(channels, -1)
                                for t in (part_mean, part_var))
     else:
-        parts = [_float_stats(input[start:start + group]) for start in range(0, samples, group)]
+        parts = [_update_stats(input[start:start + group], None, None, 0.0) for start in range(0, samples, group)]
         part_mean = torch.stack([mean for mean, _ in parts], 1)
         part_var = torch.stack([var for _, var in parts], 1)
     part_mean = part_mean.double()
@@ -275,24 +311,50 @@ def _batch_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return mean, var
 
 
-def fp32_train_batch_norm(
+def fp32_batch_norm(
     input: torch.Tensor,
     running_mean: Optional[torch.Tensor],
     running_var: Optional[torch.Tensor],
     weight: Optional[torch.Tensor],
     bias: Optional[torch.Tensor],
+    training: bool,
     momentum: float,
     eps: float,
+    chunked: bool,
 ) -> torch.Tensor:
-    """Training-mode batch norm of a half ``input`` with an FP32 output.
+    """Batch norm of a half ``input`` with an FP32 output, computed in FP32 without an FP32 copy of it.
 
-    ``running_mean``/``running_var`` (FP32 or both None) are updated in place as the native kernel
-    does (unbiased variance); the check :func:`fp32_train_eligible` must have passed.
+    ``running_mean``/``running_var`` (FP32 or both None) are updated in place as the native kernels
+    do (unbiased variance, no autograd version bump); :func:`fp32_route` must have said ``chunked``.
+    Training: batch statistics read from the 16-bit input once, then the output written once.
+    ``chunked`` (the host route) reduces them row by row and combines in float64; else torch's
+    statistics op, whose CPU and CUDA kernels both take a 16-bit input with FP32 running stats and
+    return FP32 statistics (CUDA: ``batch_norm_update_stats_cuda``, Welford in FP32). Eval: the
+    running stats' scale and shift, one pass.
     """
-    mean, var = _batch_stats(input.detach())
-    if running_mean is not None and running_var is not None:
-        count = input.numel() // input.shape[1]
-        # Through ``.data``, like the native kernels' update: no autograd version bump.
-        running_mean.data.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
-        running_var.data.copy_(running_var.double() * (1 - momentum) + var * (momentum * count / (count - 1)))
-    return _NormalizeWithBatchStats.apply(input, weight, bias, mean.float(), var.float(), eps)
+    if not training:
+        return _Normalize.apply(input, weight, bias, running_mean, running_var, eps, False, False)
+    if not chunked:
+        mean, var = _update_stats(input.detach(), running_mean, running_var, momentum)
+    else:
+        mean, var = _batch_stats(input.detach())
+        if running_mean is not None and running_var is not None:
+            count = input.numel() // input.shape[1]
+            # Through ``.data``, like the native kernels' update: no autograd version bump.
+            running_mean.data.copy_(running_mean.double() * (1 - momentum) + mean * momentum)
+            running_var.data.copy_(running_var.double() * (1 - momentum) + var * (momentum * count / (count - 1)))
+        mean, var = mean.float(), var.float()
+    return _Normalize.apply(input, weight, bias, mean, var, eps, True, chunked)
+
+
+def _update_stats(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                  momentum: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The FP32 batch mean and biased variance of a half ``input``, the running stats updated with them.
+
+    Without running stats, FP32 scratch ones with momentum 0: CPU's kernel returns the input's
+    dtype when it has no FP32 tensor to follow, CUDA's always FP32; with them, both return FP32.
+    """
+    if running_mean is None or running_var is None:
+        scratch = torch.zeros(2, input.shape[1], dtype=torch.float32, device=input.device)
+        return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
+    return torch.batch_norm_update_stats(input, running_mean, running_var, momentum)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, FrozenSet, Optional, Set, Tuple
 import torch
 
 from . import _guard, _record, _state, _tuning
-from ._compat import foreach_copy
+from ._compat import LOW_PRECISION, foreach_copy
 
 _F32 = torch.float32
 _UninitializedBuffer = torch.nn.parameter.UninitializedBuffer
@@ -163,7 +163,6 @@ def clear() -> None:
 
 # The cast hook: ``Module._apply(fn)`` performs every conversion (``.half()``, ``.bfloat16()``,
 # ``.to(...)``, ``.cuda()``, ``.type(...)``), calling ``fn`` on each parameter, gradient and buffer.
-_HALF = (torch.float16, torch.bfloat16)
 _STATS = ("running_mean", "running_var")
 _AFFINE = ("weight", "bias")
 
@@ -212,7 +211,7 @@ def apply_keeping_fp32(
 
     def keeping_fn(tensor: torch.Tensor) -> torch.Tensor:
         result = fn(tensor)
-        if id(tensor) not in kept or result.dtype not in _HALF:
+        if id(tensor) not in kept or result.dtype not in LOW_PRECISION:
             return result
         if devices is not None and result.device.type not in devices:
             return result
@@ -246,7 +245,7 @@ def apply_carrying_masters(
     # A lazy module before its first batch has no values yet: torch's cast sets the dtype it will have.
     if mean is None or var is None or isinstance(mean, _UninitializedBuffer) or mean.is_meta:
         return original(*args, **kwargs)
-    kept = peek(mean, var) if mean.dtype in _HALF else None
+    kept = peek(mean, var) if mean.dtype in LOW_PRECISION else None
     if kept is None and mean.dtype is torch.float32 and var.dtype is torch.float32:
         kept = torch.stack((mean.detach(), var.detach()))
     if kept is None:
@@ -256,10 +255,10 @@ def apply_carrying_masters(
         result = fn(tensor)
         if not (tensor is mean or tensor is var) or result.is_meta:
             return result
-        if result.dtype is torch.float32 and tensor.dtype in _HALF:
+        if result.dtype is torch.float32 and tensor.dtype in LOW_PRECISION:
             # Back to FP32: the master's values, not the rounded ones.
             return kept[0 if tensor is mean else 1].to(result.device, copy=True)
-        if result.dtype in _HALF and tensor.dtype in _HALF and (devices is None or result.device.type in devices):
+        if result.dtype in LOW_PRECISION and tensor.dtype in LOW_PRECISION and (devices is None or result.device.type in devices):
             # Between 16-bit dtypes: the master rounded to the new one (a master holds while its
             # buffers hold its rounding), not the old rounding cast again.
             return kept[0 if tensor is mean else 1].to(result.device, result.dtype, copy=True)
@@ -268,7 +267,7 @@ def apply_carrying_masters(
     out = original(carrying_fn, *rest, **rest_kwargs)
     new_mean, new_var = module._buffers.get("running_mean"), module._buffers.get("running_var")
     if (
-        new_mean is not None and new_var is not None and new_mean.dtype in _HALF and new_var.dtype is new_mean.dtype
+        new_mean is not None and new_var is not None and new_mean.dtype in LOW_PRECISION and new_var.dtype is new_mean.dtype
         and not new_mean.is_meta and (devices is None or new_mean.device.type in devices)
     ):
         seed(new_mean, new_var, kept.to(new_mean.device, torch.float32, copy=True))

@@ -13,10 +13,9 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import _master, _state
-from ._compat import (autocast_dtype, autocast_enabled, function_mode_enabled, has_internal_overlap, is_compiling,
-                      is_exporting, recorded_autocast_dtype, untraced)
+from ._compat import (LOW_PRECISION, autocast_dtype, autocast_enabled, function_mode_enabled, has_internal_overlap,
+                      is_compiling, is_exporting, recorded_autocast_dtype, untraced)
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 _F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _is_autocast_enabled = torch.is_autocast_enabled

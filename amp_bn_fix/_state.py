@@ -18,6 +18,9 @@ config = Config()
 # Whether the shim's wrappers are in place: a reference to a wrapper kept after ``disable()`` only
 # forwards to torch.
 active = False
+# Set by ``amp_bn_fix.testing.device_route()``, process-wide: CPU calls take the route a CUDA call
+# takes (no host reads, no CPU fast paths).
+device_route = False
 
 
 class _ThreadState(threading.local):
@@ -28,6 +31,9 @@ class _ThreadState(threading.local):
     # The innermost scope's policy on this thread, for code dynamo traces (``get_policy()`` inside
     # a compiled function): dynamo cannot read a ContextVar.
     compiled_policy: Optional[str] = None
+    # How many of this thread's TorchDispatchModes are ``amp_bn_fix.testing``'s traffic counters:
+    # they see every kernel and record nothing, so a call under them is still plain eager.
+    counters = 0
 
 
 thread = _ThreadState()

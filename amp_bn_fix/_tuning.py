@@ -1,14 +1,16 @@
 """Machine tuning: where a call's route changes; no logic lives here.
 
-The thresholds decide only *where* the CPU fast paths of :mod:`._kernels` pay off, never what a
-call computes: every route's result is within the same float64-derived bound, so a retune (or
-turning the fast paths off) changes speed, not behaviour. They were measured on two CPUs (AMD EPYC
-and Xeon, AVX-512) and will move with hardware.
+The thresholds decide only *where* the routes of :mod:`._kernels` pay off, never what a call
+computes: every route's result is within the same float64-derived bound, so a retune (or turning
+the fast paths off) changes speed, not behaviour. The CPU's were measured on two CPUs (AMD EPYC and
+Xeon, AVX-512) and will move with hardware; the device route's is predicted from a count.
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import _state
 
 # Where the FP32 training fast path pays: at one torch thread its dozen small ops pay back on inputs
 # of half a million values with at least 1536 per channel. Measured fwd+bwd, fast / reference, one
@@ -23,6 +25,13 @@ MIN_PER_CHANNEL = 1536
 # small enough to stay in each core's cache, and each elementwise op on a chunk splits it between
 # the threads, so a chunk grows with them (fewer, larger parallel ops).
 CHUNK = 1 << 18
+# Where the FP32 route without an input copy pays on the route a CUDA call takes: it launches three
+# more small kernels than the reference (FP32 copy, FP32 kernel) and moves 10 bytes less per value
+# in a training forward, 8 less in eval (counted by ``amp_bn_fix.testing.count_kernels``). A launch
+# costs a few microseconds of host time, which a busy GPU hides and a small batch does not; at about
+# 3 TB/s a million values' 10 MB take about as long as three launches. A prediction from the count
+# until a GPU measures it: below this, the reference.
+DEVICE_MIN_VALUES = 1 << 20
 
 
 def min_values() -> int:
@@ -42,6 +51,6 @@ def min_values() -> int:
 def host_route(tensor: torch.Tensor) -> bool:
     """Whether a call on ``tensor`` may read tensor values on the host and use the CPU fast paths.
 
-    ``amp_bn_fix.testing.device_route()`` replaces it, so that CPU calls take the route a CUDA call takes.
+    Never under ``amp_bn_fix.testing.device_route()``: CPU calls then take the route a CUDA call takes.
     """
-    return tensor.is_cpu
+    return tensor.is_cpu and not _state.device_route

@@ -2,9 +2,9 @@ r"""Helpers for testing code that runs under amp_bn_fix, on a machine without a 
 
 A CUDA call takes another route through the shim than a CPU call: nothing is read from the device
 on the host (the guard decides with ops on the device, and its counters stay there until
-:func:`amp_bn_fix.report` reads them), and the CPU's own kernels are not used. Under
+:func:`amp_bn_fix.report` reads them), and the CPU's own fast paths are not used. Under
 :func:`device_route`, CPU calls take exactly that route, so a test suite without a GPU runs the
-logic a GPU user meets.
+logic a GPU user meets; :func:`count_kernels` counts what that route would cost a GPU.
 
 Example::
 
@@ -22,23 +22,21 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import threading
-from typing import Iterator
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from . import _tuning
+from . import _state
 
-_host_route = _tuning.host_route
-
-__all__ = ["device_route"]
+__all__ = ["device_route", "count_kernels", "Kernel", "Traffic"]
 
 _lock = threading.Lock()
 _depth = 0
-
-
-def _no_host(tensor: torch.Tensor) -> bool:
-    return False
 
 
 @contextlib.contextmanager
@@ -46,7 +44,7 @@ def device_route() -> Iterator[None]:
     r"""Within the block, every call the shim computes takes the route a CUDA call takes.
 
     That is: no host reads of tensor values (the guard's decision and its count stay tensors on
-    the device), no CPU fast paths (torch's kernels on FP32 copies, as on CUDA). Results stay within
+    the device), no CPU fast paths (the ops a CUDA call runs, on CPU). Results stay within
     the bounds every route keeps; speed on CPU is not representative. Process-wide, for every
     thread (like the device a model runs on, it is not a per-thread setting); nestable.
 
@@ -60,13 +58,151 @@ def device_route() -> Iterator[None]:
     """
     global _depth
     with _lock:
-        if _depth == 0:
-            _tuning.host_route = _no_host
         _depth += 1
+        _state.device_route = True
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0:
-                _tuning.host_route = _host_route
+            _state.device_route = _depth > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One op that runs a kernel: its name, the bytes it reads and writes, and the kernels CUDA launches for it."""
+
+    name: str
+    read: int
+    written: int
+    launches: int = 1
+
+
+@dataclasses.dataclass
+class Traffic:
+    """What the ops run in a :func:`count_kernels` block cost a GPU, counted, not timed.
+
+    ``kernels``: each op that runs a kernel, in order. ``kept``: the bytes autograd keeps for
+    backward (each saved tensor's elements once). Views and allocations run no kernel and are
+    left out; a read of a value on the host (``.item()``, ``bool(tensor)``) is a kernel named
+    ``_local_scalar_dense``.
+    """
+
+    kernels: List[Kernel] = dataclasses.field(default_factory=list)
+    kept: int = 0
+
+    @property
+    def launches(self) -> int:
+        return sum(k.launches for k in self.kernels)
+
+    @property
+    def moved(self) -> int:
+        """Bytes read and written by every kernel."""
+        return sum(k.read + k.written for k in self.kernels)
+
+    def names(self) -> List[str]:
+        return [k.name for k in self.kernels]
+
+
+# How CUDA's kernels for an op differ from "one launch, each operand read once" (read in
+# aten/src/ATen/native/cuda/Normalization.cu). A training batch norm reduces its input for the
+# statistics, then reads it again to normalize (``batch_norm_cuda_out``: the statistics, the
+# running-stat update with the inverse std, the elementwise kernel); its backward reduces the
+# gradient and the input, then reads both again for the input's gradient (one fused kernel in
+# NCHW, ``batch_norm_backward_kernel``). ``batch_norm_update_stats_cuda`` runs the statistics and
+# the running-stat update as two kernels.
+_READ_TWICE: Dict[str, Tuple[int, ...]] = {
+    "native_batch_norm": (0,), "_native_batch_norm_legit": (0,), "_native_batch_norm_legit_functional": (0,),
+    "cudnn_batch_norm": (0,), "native_batch_norm_backward": (0, 1), "cudnn_batch_norm_backward": (0, 1),
+}
+# Where the training flag is among each of those ops' arguments.
+_TRAINING_ARG = {"native_batch_norm": 5, "_native_batch_norm_legit": 5, "_native_batch_norm_legit_functional": 5,
+                 "cudnn_batch_norm": 5, "native_batch_norm_backward": 7, "cudnn_batch_norm_backward": None}
+_LAUNCHES = {"native_batch_norm": 3, "_native_batch_norm_legit": 3, "_native_batch_norm_legit_functional": 3,
+             "_native_batch_norm_legit_no_training": 3, "batch_norm_update_stats": 2}
+# Ops that allocate without writing (``empty*``) or only read metadata run no kernel.
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "size", "stride",
+              "sym_size", "sym_stride", "sym_numel", "is_same_size", "_has_compatible_shallow_copy_type"}
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s distinct elements (an expanded dimension holds one)."""
+    elements = math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0) if t.numel() else 0
+    return elements * t.element_size()
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, traffic: Traffic) -> None:
+        super().__init__()
+        self.traffic = traffic
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        returns = func._schema.returns
+        if name in _NO_KERNEL or (returns and all(r.alias_info is not None and not r.alias_info.is_write
+                                                  for r in returns)):
+            return out  # a view
+        twice = _READ_TWICE.get(name, ())
+        if twice:
+            flag = _TRAINING_ARG.get(name)
+            if flag is not None and not (len(args) > flag and args[flag]):
+                twice = ()
+        read = written = 0
+        written_ids = set()
+        for i, argument in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+            alias = argument.alias_info
+            for t in tensors:
+                if alias is not None and alias.is_write:
+                    written += _bytes(t)
+                    written_ids.add(id(t))
+                    if argument.kwarg_only and argument.name.startswith("out"):
+                        continue  # an output buffer, not read
+                read += _bytes(t) * (2 if i in twice else 1)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and id(t) not in written_ids:
+                written += _bytes(t)
+        self.traffic.kernels.append(Kernel(name, read, written, _LAUNCHES.get(name, 1)))
+        return out
+
+
+@contextlib.contextmanager
+def count_kernels() -> Iterator[Traffic]:
+    r"""Count the kernels the ops in the block run, the bytes each reads and writes, and the bytes
+    autograd keeps for backward: what they cost a GPU, which follows bytes for a memory-bound op.
+
+    Counted by a TorchDispatchMode (so the shim's ops and torch's, forward and backward, are seen
+    as the dispatcher runs them) that the shim does not count as a tracer: calls take the route
+    they take without it. Each op's kernel is taken to read each tensor operand once and write
+    each output once, except where CUDA's kernels for it are known to do otherwise (a training
+    batch norm reads its input twice: statistics, then normalization). Combine with
+    :func:`device_route` to count the route a CUDA call takes.
+
+    Example::
+
+        >>> import torch, amp_bn_fix
+        >>> from amp_bn_fix.testing import count_kernels, device_route
+        >>> bn, x = torch.nn.BatchNorm2d(64), torch.randn(16, 64, 32, 32).bfloat16()
+        >>> with device_route(), count_kernels() as traffic, torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     y = bn(x)
+        >>> round(traffic.moved / x.numel())   # bytes per value: the input read twice, an FP32 output
+        8
+    """
+    traffic = Traffic()
+    kept: Dict[Tuple[int, int, torch.dtype], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[(t.data_ptr(), t.numel(), t.dtype)] = _bytes(t)
+        return t
+
+    thread = _state.thread
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Counter(traffic):
+        thread.counters += 1
+        try:
+            yield traffic
+        finally:
+            thread.counters -= 1
+            traffic.kept = sum(kept.values())

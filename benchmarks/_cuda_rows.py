@@ -15,6 +15,7 @@ from torch import nn
 from _harness import OFF, ON, Bench, settings, shim
 from _large_rows import bandwidth_rows
 from _models import HALF, bn_step, count_bn, grads_like, half_input, resnet50_like, train_step
+from _traffic import BY_HAND, NATIVE, count_call
 
 CUDA_SHAPES = ((32, 64, 56, 56), (256, 64, 56, 56), (32, 256, 14, 14))
 DRY_SHAPES = ((2, 8, 6, 6), (4, 8, 6, 6), (2, 16, 3, 3))
@@ -36,19 +37,31 @@ def announce(b: Bench, what: str) -> None:
 
 
 def bn(b: Bench) -> None:
-    """One BatchNorm2d forward+backward, training, under autocast: each policy against native (shim off)."""
-    announce(b, "per-BatchNorm fwd+bwd under autocast, each policy (A) vs native, shim off (B); CUDA events")
+    """One BatchNorm2d forward+backward, training, under autocast: each policy against native (shim
+    off), and ``fp32`` against BatchNorm written by hand in FP32; each beside what the count predicts."""
+    announce(b, "per-BatchNorm fwd+bwd under autocast, each policy (A) vs native, shim off (B), and fp32 vs "
+                "bn(x.float()) by hand; CUDA events; the count's prediction (bytes moved) beside each")
     calls = 1 if dry(b) else 10
     for dtype_name, dtype in HALF.items():
         for shape in cuda_shapes(b):
             for layout, channels_last in LAYOUTS:
                 module = nn.BatchNorm2d(shape[1]).to(b.device)
                 x = half_input(shape, dtype, b.device, channels_last)
-                step = bn_step(module, x, grads_like(x), b.device, dtype)
+                grads = grads_like(x)
+                step = bn_step(module, x, grads, b.device, dtype)
+                counted = {p: count_call(shape, dtype, p, "fwdbwd", device=b.device, channels_last=channels_last).moved
+                           for p in (NATIVE, BY_HAND, *POLICIES)}
+                label = f"{dtype_name} {tuple(shape)} {layout} fwd+bwd"
                 for policy in POLICIES:
                     with settings(policy=policy, guard=True):
                         t = b.compare(step, step, 15, calls, ON, OFF)
-                    b.add("cuda-bn", f"{dtype_name} {tuple(shape)} {layout} fwd+bwd", policy, "native", t)
+                    b.add("cuda-bn", label, policy, "native", t,
+                          note=f"count predicts {counted[policy] / counted[NATIVE]:.2f}")
+                by_hand = bn_step(module, x, grads, b.device, dtype, by_hand=True)
+                with settings(policy="fp32", guard=True):
+                    t = b.compare(step, by_hand, 15, calls, ON, OFF)
+                b.add("cuda-bn", label, "fp32", "by hand", t,
+                      note=f"count predicts {counted['fp32'] / counted[BY_HAND]:.2f}")
 
 
 def _resnet50(b: Bench, channels_last: bool) -> Tuple[nn.Module, Callable[[], None], str]:

@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import _cuda_rows  # noqa: E402
 import _large_rows  # noqa: E402
 import _small_rows  # noqa: E402
+import _traffic  # noqa: E402
 from _harness import Bench, thread_sweep  # noqa: E402
 from _report import load_average, machine, payload, slug, write  # noqa: E402
 
@@ -73,6 +74,10 @@ ROWS: List[Spec] = [
     small("tiny-eval-device-path", _small_rows.tiny("eval", True), CPU, "tiny-eval." + DEVICE_PATH),
     small("convnet-step-device-path", _small_rows.convnet_step(True), CPU, "convnet-step." + DEVICE_PATH),
     small("aten-ops-device-path", _small_rows.aten_ops(True), CPU, "aten-ops." + DEVICE_PATH),
+    # The count: what a call costs a GPU (on CPU, the route a CUDA call takes), not timed.
+    Spec("traffic", _traffic.traffic_rows, BOTH, False,
+         "Bytes moved per value, launches and bytes kept for backward of one BatchNorm call vs native: "
+         "(32,64,56,56) and (4,16,4,4) bf16, FP32 and half models, training, fwd+bwd and eval, per policy."),
     # The large-call regime (README's P1 to P5).
     Spec("dispatch", _large_rows.dispatch, CPU, True, "P1: a small BatchNorm outside autocast, shim on vs off."),
     Spec("input-policy", _large_rows.input_policy, CPU, True, "P2: input policy vs native autocast, fwd+bwd."),

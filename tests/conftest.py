@@ -18,13 +18,15 @@ from amp_bn_fix import _patch  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def fast_paths_for_small_inputs(monkeypatch):
-    """The FP32 training fast path starts at half a million values (more with more torch threads),
-    which would keep the tests' small inputs off it: here it starts at any size (rows must still be
-    long enough). ``test_fastpath`` checks the real thresholds."""
+    """The FP32 routes without an input copy start at half a million values on the host (more with
+    more torch threads) and a million on the device route, which would keep the tests' small inputs
+    off them: here they start at any size (rows must still be long enough on the host).
+    ``test_fastpath`` and ``test_cost`` check the real thresholds."""
     from amp_bn_fix import _tuning
 
     monkeypatch.setattr(_tuning, "MIN_VALUES", 0)
     monkeypatch.setattr(_tuning, "MIN_PER_CHANNEL", 0)
+    monkeypatch.setattr(_tuning, "DEVICE_MIN_VALUES", 0)
 
 
 @pytest.fixture(params=["host", "device"], ids=["host-route", "device-route"])

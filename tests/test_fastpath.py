@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import amp_bn_fix
 from amp_bn_fix import _kernels, _tuning
+from amp_bn_fix.testing import count_kernels
 
 from _bounds import (assert_near, assert_no_less_accurate, assert_within, batch_norm_scales, fp32_bound,
                      rounding_bound)
@@ -118,8 +119,11 @@ def expected_dtype(policy: str, input_dtype: torch.dtype, autocast_dtype: Option
     return torch.float32 if policy == "fp32" else autocast_dtype
 
 
-def check_case(case: Case, policy: str, autocast_dtype: Optional[torch.dtype]) -> None:
+def check_case(case: Case, policy: str, autocast_dtype: Optional[torch.dtype], route: str = "host") -> None:
     """Run ``case`` through the shim and check it against the fp64 and the simple FP32 references.
+
+    On the ``device`` route an FP32 output is computed from the 16-bit input, never by torch's
+    FP32 kernel on a copy of it (checked by the kernels that ran).
 
     Each result is the float64 one computed in FP32 over a channel's values, then rounded once to
     its dtype (``_bounds.assert_near``; its bound is relative to the result's magnitude, which
@@ -128,7 +132,10 @@ def check_case(case: Case, policy: str, autocast_dtype: Optional[torch.dtype]) -
     """
     amp_bn_fix.set_policy(policy)
     out_dtype = expected_dtype(policy, case.x.dtype, autocast_dtype)
-    out, stats, grads = run(case, shim(case, autocast_dtype), cast=lambda t: t, grad_dtype=out_dtype)
+    with count_kernels() as traffic:
+        out, stats, grads = run(case, shim(case, autocast_dtype), cast=lambda t: t, grad_dtype=out_dtype)
+    if route == "device" and out_dtype is torch.float32:
+        assert not {"native_batch_norm", "_native_batch_norm_legit"} & set(traffic.names()), traffic.names()
     ref_out, ref_stats, ref_grads = run(case, ORIGINAL, cast=fp64, grad_dtype=out_dtype)
     # The simple reference, what a careful user writes: everything FP32, result cast to the policy's dtype.
 
@@ -176,8 +183,8 @@ SHAPES = {
 # Evaluation without running stats is an error (see the error tests).
 @pytest.mark.parametrize("training, stats", [(True, True), (True, False), (False, True)],
                          ids=["train-stats", "train-nostats", "eval-stats"])
-def test_every_shape_policy_and_flag_matches_the_references(dtype, policy, shape, affine, training, stats):
-    check_case(make_case(shape, dtype, "contiguous", training, affine, stats), policy, autocast_dtype=dtype)
+def test_every_shape_policy_and_flag_matches_the_references(both_routes, dtype, policy, shape, affine, training, stats):
+    check_case(make_case(shape, dtype, "contiguous", training, affine, stats), policy, dtype, both_routes)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
@@ -185,20 +192,20 @@ def test_every_shape_policy_and_flag_matches_the_references(dtype, policy, shape
 @pytest.mark.parametrize("layout", ["channels_last", "noncontiguous"])
 @pytest.mark.parametrize("shape", [SHAPES["bn2d"], SHAPES["bn3d"]], ids=["bn2d", "bn3d"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_memory_layouts_match_the_references(dtype, policy, layout, shape, training):
+def test_memory_layouts_match_the_references(both_routes, dtype, policy, layout, shape, training):
     case = make_case(shape, dtype, layout, training, affine=True, stats=True)
-    check_case(case, policy, autocast_dtype=dtype)
+    check_case(case, policy, dtype, both_routes)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "mixed-call-outside-autocast"])
-def test_half_weights_match_the_references_and_get_half_grads(dtype, policy, training, autocast):
+def test_half_weights_match_the_references_and_get_half_grads(both_routes, dtype, policy, training, autocast):
     # Half weights with FP32 stats: outside autocast the native kernel rejects the mix; the shim
     # computes it in FP32 either way.
     case = make_case(SHAPES["bn2d"], dtype, "contiguous", training, affine=True, stats=True, param_dtype=dtype)
-    check_case(case, policy, autocast_dtype=dtype if autocast else None)
+    check_case(case, policy, dtype if autocast else None, both_routes)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -210,13 +217,14 @@ def test_autocast_dtype_other_than_the_input_dtype(policy, training):
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_large_mean_small_spread_keeps_fp32_statistics(dtype, policy):
+@pytest.mark.parametrize("stats", [True, False], ids=["stats", "nostats"])
+def test_large_mean_small_spread_keeps_fp32_statistics(both_routes, dtype, policy, stats):
     # A mean far from zero relative to the spread: statistics rounded to half would be visibly off.
-    case = make_case(SHAPES["bn2d"], dtype, "contiguous", training=True, affine=False, stats=False)
+    case = make_case(SHAPES["bn2d"], dtype, "contiguous", training=True, affine=False, stats=stats)
     x = (torch.randn(SHAPES["bn2d"], generator=torch.Generator().manual_seed(3)) * 0.5 + 300).to(dtype)
     case.x = x.requires_grad_()
     # FP32 statistics leave an error of about 1e-4 here; half-precision ones would leave 0.1 to 1.
-    check_case(case, policy, autocast_dtype=dtype)
+    check_case(case, policy, dtype, both_routes)
 
 
 # --- what the fast paths avoid -------------------------------------------------------------

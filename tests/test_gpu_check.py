@@ -76,7 +76,7 @@ def test_the_dry_run_goes_through_every_step_and_writes_its_summary(tmp_path):
     assert report["failed"] == [] and report["skipped"] == CUDA_TESTS
     # The benchmark's CUDA rows ran on tiny CPU tensors, and the report has them.
     rows = {row["row"] for row in report["bench"]["rows"]} | {f["row"] for f in report["bench"]["figures"]}
-    assert {"cuda-bn", "cuda-resnet50", "cuda-bandwidth", "cuda-memory", "tiny-train", "aten-ops"} <= rows
+    assert {"cuda-bn", "cuda-resnet50", "cuda-bandwidth", "cuda-memory", "tiny-train", "aten-ops", "traffic"} <= rows
     assert "cuda-bn" in (out / "cuda-dry-run-on-cpu.md").read_text()
 
 

@@ -889,7 +889,7 @@ def test_default_device_mode_is_plain_eager(how):
 
     model, x = conv_bn(), image()
     calls = []
-    original = _kernels.fp32_train_batch_norm
+    original = _kernels.fp32_batch_norm
 
     def counting(*args, **kwargs):
         calls.append(1)
@@ -905,7 +905,7 @@ def test_default_device_mode_is_plain_eager(how):
         return second
 
     try:
-        _kernels.fp32_train_batch_norm = counting
+        _kernels.fp32_batch_norm = counting
         if how == "set_default_device":
             torch.set_default_device("cpu")
             try:
@@ -916,7 +916,7 @@ def test_default_device_mode_is_plain_eager(how):
             with torch.device("cpu"):
                 out = step()
     finally:
-        _kernels.fp32_train_batch_norm = original
+        _kernels.fp32_batch_norm = original
     assert calls and out.dtype is torch.float32
     assert model[1].running_mean.dtype is torch.float32 and model[0].weight.grad is not None
 

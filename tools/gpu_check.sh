@@ -446,7 +446,7 @@ pytest=("$py" -m pytest -q -p no:cacheprovider -rfEs)
 if ((dry_run)); then
     device=cpu
     device_row="(^| )cpu +(float16|bfloat16) "  # a row of the bug report's tables on this device
-    bench=("$py" benchmarks/bench.py --device cpu --quick --threads 1 --only 'cuda-*,tiny-train,aten-ops')
+    bench=("$py" benchmarks/bench.py --device cpu --quick --threads 1 --only 'cuda-*,tiny-train,aten-ops,traffic')
 else
     device=cuda
     device_row="(^| )cuda +(float16|bfloat16) "
