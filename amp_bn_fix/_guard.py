@@ -90,7 +90,7 @@ def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, up
         _restore(mean, var, data)
         _record.skipped(counted_for)
     elif kind == _DEVICE:
-        finite = _vector_norm(data, _INF) < _INF  # the largest magnitude; NaN propagates
+        finite = _all_finite(data)
         torch.where(finite, updated_mean, mean.data, out=mean.data)
         torch.where(finite, updated_var, var.data, out=var.data)
         _record.checked_on_device(counted_for, finite)
@@ -106,6 +106,15 @@ def host_finite(mean: torch.Tensor, var: torch.Tensor) -> bool:
     # when it is not, or the stats are not 1-D (torch's error to report), the values themselves.
     return (mean.dim() == 1 and var.dim() == 1 and math.isfinite(_dot(mean, var).item())
             or bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all()))
+
+
+def _all_finite(joined: torch.Tensor) -> torch.Tensor:
+    """Whether every value of ``joined`` is finite (true when it has none), as a tensor on its
+    device: no host read. Two kernels: its largest magnitude, in which a NaN propagates, below
+    infinity (``isfinite`` is four)."""
+    if not joined.numel():  # the inf-norm of nothing has no identity
+        return torch.ones((), dtype=torch.bool, device=joined.device)
+    return _vector_norm(joined, _INF) < _INF
 
 
 def _finite_floats(mean: List[float], var: List[float]) -> bool:
@@ -146,7 +155,7 @@ def _write_back(mean: torch.Tensor, var: torch.Tensor, new_mean: torch.Tensor, n
     """
     if guard:
         # A select on the device, no host sync: a non-finite batch leaves the stats as they were.
-        finite = torch.isfinite(torch.cat((new_mean, new_var))).all()
+        finite = _all_finite(torch.cat((new_mean, new_var)))
         new_mean = torch.where(finite, new_mean, mean.to(_F32))
         new_var = torch.where(finite, new_var, var.to(_F32))
         if eager:
