@@ -151,7 +151,7 @@ def untraced(*tensors: Optional[torch.Tensor]) -> bool:
     return not (
         (_has_torch_function(*tensors) and not _only_default_device_modes())
         # Counts the infra modes (fake, proxy, functional); ``amp_bn_fix.testing``'s counters record nothing.
-        or _dispatch_stack_len() > _thread.counters
+        or ((modes := _dispatch_stack_len()) and modes > _thread.counters)
         # Pre-dispatch tracing (torch.export) keeps its modes apart and includes this key.
         or _key_included(_PRE_DISPATCH)
         or _functorch_active()

@@ -72,9 +72,11 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
         # differentiate, only the batch's FP32 statistics are brought to the running stats.
         shown = original(input, None, None, weight, bias, training, momentum, eps)
         input, weight, bias = input.detach(), None, None
-    if not plain:
-        weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
     out_dtype = plan.out_dtype
+    # A 16-bit input's FP32 output in eager mode may take the FP32 route, which reads 16-bit weight
+    # and bias as they are; every other kernel takes them FP32.
+    if not plain and not (eager and out_dtype is _F32 and input.dtype is not _F32):
+        weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
     master = plan.master and eager
     # Nothing inside is recast half-way, and the dispatcher door at autocast's key is not re-entered.
     autocast = exclude_autocast("cpu" if input.is_cpu else input.device.type, eager)
@@ -127,7 +129,8 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
                 # A region strict export records takes the input as it comes under the ``input``
                 # policy (no output dtype): torch's mixed-dtype kernels compute it in FP32 there.
                 x = input if out_dtype is None else to_copy(input, _F32, eager)
-                out = original(x, work_mean, work_var, weight, bias, training, momentum, eps)
+                out = original(x, work_mean, work_var, to_fp32(weight, eager), to_fp32(bias, eager), training,
+                               momentum, eps)
         finally:
             # Also when the kernel raises after updating the stats: activation checkpointing's
             # early stop raises out of the recomputed kernel, and torch's own update is kept then too.

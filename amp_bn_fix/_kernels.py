@@ -17,7 +17,8 @@ the copy is most of them.
   time). :func:`fp32_route` says where it runs and how.
 
 The callers run these in plain eager mode only (:func:`~amp_bn_fix._compat.plain_eager`), with
-autocast disabled and with FP32 (or absent) parameters and statistics: they write the running
+autocast disabled and with FP32 (or absent) statistics (:func:`fp32_batch_norm` also takes a half
+model's 16-bit weight and bias as they are): they write the running
 stats through ``.data``, run a Python ``autograd.Function`` and make scratch tensors, none of which
 a tracer would record faithfully.
 """
@@ -124,8 +125,12 @@ def fp32_route(
     if values < (2 if training else 1) or (not training and running_mean is None):
         return None
     channels, device = (shape[1],), input.device
-    for t in (running_mean, running_var, weight, bias):
+    for t in (running_mean, running_var):
         if t is not None and (t.shape != channels or t.dtype is not torch.float32 or t.device != device):
+            return None
+    for t in (weight, bias):  # a half model's are read as they are, promoted to FP32 by the ops
+        if t is not None and (t.shape != channels or (t.dtype is not torch.float32 and t.dtype not in LOW_PRECISION)
+                              or t.device != device):
             return None
     for stat in (running_mean, running_var):
         if stat is not None and stat.requires_grad:
@@ -177,6 +182,9 @@ class _Normalize(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         input, weight, mean, spread = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        # A half model's weight, as torch's FP32 backward takes it; autograd rounds the FP32
+        # gradients of 16-bit weight and bias to their dtype.
+        weight = None if weight is None else weight.float()
         if ctx.chunked and not torch.is_grad_enabled() and plain_eager(grad):
             grad_input, grad_weight, grad_bias = _backward_in_chunks(grad, input, weight, mean, spread, ctx.eps)
         else:
