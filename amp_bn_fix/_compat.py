@@ -28,6 +28,13 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _forward_ad = torch.autograd.forward_ad
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 _functorch = torch._C._functorch
+_legacy_batched = _functorch.is_legacy_batchedtensor
+
+
+def is_batched(t: torch.Tensor) -> bool:
+    """Whether ``vmap`` batches ``t``: ``torch.func.vmap``'s tensors, and the legacy batched tensors
+    autograd hands a backward for ``is_grads_batched`` (where no transform is active)."""
+    return _functorch.is_batchedtensor(t) or _legacy_batched(t)
 # The torch.func transforms in effect, outermost first (before torch 2.5 at least: the innermost).
 _interpreter_stack = getattr(_functorch, "get_interpreter_stack", None)
 _VMAP = _functorch.TransformType.Vmap

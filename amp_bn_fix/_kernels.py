@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from . import _tuning
-from ._compat import LOW_PRECISION, plain_eager
+from ._compat import LOW_PRECISION, is_batched, plain_eager
 
 _aten = torch.ops.aten
 # Rows (one sample, one channel) shorter than this make :func:`_batch_stats` slow: the kernel
@@ -185,7 +185,7 @@ class _Normalize(torch.autograd.Function):
         # A half model's weight, as torch's FP32 backward takes it; autograd rounds the FP32
         # gradients of 16-bit weight and bias to their dtype.
         weight = None if weight is None else weight.float()
-        if ctx.chunked and not torch.is_grad_enabled() and plain_eager(grad):
+        if ctx.chunked and not torch.is_grad_enabled() and plain_eager(grad) and not is_batched(grad):
             grad_input, grad_weight, grad_bias = _backward_in_chunks(grad, input, weight, mean, spread, ctx.eps)
         else:
             # So do batched gradients (``is_grads_batched``, torch.func over the backward) and tracers:
@@ -306,11 +306,11 @@ def _batch_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     group = _samples_per_part(samples, length)
     if group == 1:
         pieces = _row_pieces(length)
-        part_mean, part_var = _update_stats(input.reshape(1, samples * channels * pieces, -1), None, None, 0.0)  # type: ignore[operator]
+        part_mean, part_var = _float_stats(input.reshape(1, samples * channels * pieces, -1))  # type: ignore[operator]
         part_mean, part_var = (t.view(samples, channels, -1).transpose(0, 1).reshape(channels, -1)
                                for t in (part_mean, part_var))
     else:
-        parts = [_update_stats(input[start:start + group], None, None, 0.0) for start in range(0, samples, group)]
+        parts = [_float_stats(input[start:start + group]) for start in range(0, samples, group)]
         part_mean = torch.stack([mean for mean, _ in parts], 1)
         part_var = torch.stack([var for _, var in parts], 1)
     part_mean = part_mean.double()
@@ -335,15 +335,13 @@ def fp32_batch_norm(
     ``running_mean``/``running_var`` (FP32 or both None) are updated in place as the native kernels
     do (unbiased variance, no autograd version bump); :func:`fp32_route` must have said ``chunked``.
     Training: batch statistics read from the 16-bit input once, then the output written once.
-    ``chunked`` (the host route) reduces them row by row and combines in float64; else torch's
-    statistics op, whose CPU and CUDA kernels both take a 16-bit input with FP32 running stats and
-    return FP32 statistics (CUDA: ``batch_norm_update_stats_cuda``, Welford in FP32). Eval: the
-    running stats' scale and shift, one pass.
+    ``chunked`` (the host route) reduces them row by row and combines in float64; else CUDA's
+    statistics op (:func:`_device_stats`). Eval: the running stats' scale and shift, one pass.
     """
     if not training:
         return _Normalize.apply(input, weight, bias, running_mean, running_var, eps, False, False)
     if not chunked:
-        mean, var = _update_stats(input.detach(), running_mean, running_var, momentum)
+        mean, var = _device_stats(input.detach(), running_mean, running_var, momentum)
     else:
         mean, var = _batch_stats(input.detach())
         if running_mean is not None and running_var is not None:
@@ -355,14 +353,52 @@ def fp32_batch_norm(
     return _Normalize.apply(input, weight, bias, mean, var, eps, True, chunked)
 
 
-def _update_stats(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
-                  momentum: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The FP32 batch mean and biased variance of a half ``input``, the running stats updated with them.
+def _float_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and biased variance of a half ``input``, reduced in float by CPU's mixed kernel."""
+    # Its running stats are required for FP32 results; momentum 0 leaves these scratch ones alone.
+    scratch = torch.zeros(2, input.shape[1], dtype=torch.float32, device=input.device)
+    return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
 
-    Without running stats, FP32 scratch ones with momentum 0: CPU's kernel returns the input's
-    dtype when it has no FP32 tensor to follow, CUDA's always FP32; with them, both return FP32.
-    """
-    if running_mean is None or running_var is None:
-        scratch = torch.zeros(2, input.shape[1], dtype=torch.float32, device=input.device)
-        return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
-    return torch.batch_norm_update_stats(input, running_mean, running_var, momentum)
+
+def _device_stats(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                  momentum: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The FP32 batch mean and biased variance of a half ``input``, the running stats (if any) updated
+    with them: CUDA's ``batch_norm_update_stats`` (``aten/src/ATen/native/cuda/Normalization.cu``: FP32
+    statistics whatever the running stats, Welford in FP32; two kernels with running stats, one
+    without). On CPU, the route a CUDA call takes runs :func:`_stand_in`, with the same rules."""
+    stats = _stand_in() if input.is_cpu else torch.batch_norm_update_stats
+    return stats(input, running_mean, running_var, momentum)
+
+
+# The stand-in's registration, kept across ``importlib.reload`` of this module: a Library that is
+# garbage-collected removes its kernel.
+_library: Optional[torch.library.Library] = globals().get("_library")
+
+
+def _stand_in() -> Callable[..., Tuple[torch.Tensor, torch.Tensor]]:
+    """``amp_bn_fix::batch_norm_stats``: CUDA's statistics kernel on CPU, one op (so
+    ``amp_bn_fix.testing.count_kernels`` counts one kernel where CUDA launches it). CPU's own
+    ``batch_norm_update_stats`` sums a channel in float and returns the input's dtype without
+    running stats; CUDA's returns FP32 and accumulates as accurately as its FP32 kernel, which this
+    stand-in matches by reducing in float64."""
+    global _library
+    if _library is None:
+        library = torch.library.Library("amp_bn_fix", "FRAGMENT")
+        library.define("batch_norm_stats(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+                       "float momentum) -> (Tensor, Tensor)")
+        library.impl("batch_norm_stats", _cuda_statistics_on_cpu, "CPU")
+        _library = library
+    return torch.ops.amp_bn_fix.batch_norm_stats
+
+
+def _cuda_statistics_on_cpu(input: torch.Tensor, running_mean: Optional[torch.Tensor],
+                            running_var: Optional[torch.Tensor], momentum: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    dims = [0, *range(2, input.dim())]
+    var, mean = torch.var_mean(input.double(), dims, correction=0)
+    mean, var = mean.float(), var.float()
+    if running_mean is not None and running_var is not None:
+        # As CUDA's update: in FP32, the variance made unbiased, no autograd version bump.
+        count = input.numel() // input.shape[1]
+        running_mean.data.copy_(mean * momentum + (1 - momentum) * running_mean)
+        running_var.data.copy_(var * (count / (count - 1)) * momentum + (1 - momentum) * running_var)
+    return mean, var

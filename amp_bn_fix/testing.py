@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import _state
 
-__all__ = ["device_route", "count_kernels", "Kernel", "Traffic"]
+__all__ = ["device_route", "count_kernels", "kept_for_backward", "Kernel", "Traffic"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -82,14 +82,12 @@ class Kernel:
 class Traffic:
     """What the ops run in a :func:`count_kernels` block cost a GPU, counted, not timed.
 
-    ``kernels``: each op that runs a kernel, in order. ``kept``: the bytes autograd keeps for
-    backward (each saved tensor's elements once). Views and allocations run no kernel and are
+    ``kernels``: each op that runs a kernel, in order. Views and allocations run no kernel and are
     left out; a read of a value on the host (``.item()``, ``bool(tensor)``) is a kernel named
     ``_local_scalar_dense``.
     """
 
     kernels: List[Kernel] = dataclasses.field(default_factory=list)
-    kept: int = 0
 
     @property
     def launches(self) -> int:
@@ -109,8 +107,8 @@ class Traffic:
 # statistics, then reads it again to normalize (``batch_norm_cuda_out``: the statistics, the
 # running-stat update with the inverse std, the elementwise kernel); its backward reduces the
 # gradient and the input, then reads both again for the input's gradient (one fused kernel in
-# NCHW, ``batch_norm_backward_kernel``). ``batch_norm_update_stats_cuda`` runs the statistics and
-# the running-stat update as two kernels.
+# NCHW, ``batch_norm_backward_kernel``). ``batch_norm_update_stats_cuda`` runs the statistics and,
+# given running stats, their update: two kernels.
 _READ_TWICE: Dict[str, Tuple[int, ...]] = {
     "native_batch_norm": (0,), "_native_batch_norm_legit": (0,), "_native_batch_norm_legit_functional": (0,),
     "cudnn_batch_norm": (0,), "native_batch_norm_backward": (0, 1), "cudnn_batch_norm_backward": (0, 1),
@@ -119,7 +117,10 @@ _READ_TWICE: Dict[str, Tuple[int, ...]] = {
 _TRAINING_ARG = {"native_batch_norm": 5, "_native_batch_norm_legit": 5, "_native_batch_norm_legit_functional": 5,
                  "cudnn_batch_norm": 5, "native_batch_norm_backward": 7, "cudnn_batch_norm_backward": None}
 _LAUNCHES = {"native_batch_norm": 3, "_native_batch_norm_legit": 3, "_native_batch_norm_legit_functional": 3,
-             "_native_batch_norm_legit_no_training": 3, "batch_norm_update_stats": 2}
+             "_native_batch_norm_legit_no_training": 3}
+# Ops whose second kernel runs only with running stats (argument 1): CUDA's statistics op, and the
+# CPU stand-in the route a CUDA call takes runs for it there.
+_UPDATES_STATS = {"batch_norm_update_stats", "batch_norm_stats"}
 # Ops that allocate without writing (``empty*``) or only read metadata run no kernel.
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "size", "stride",
               "sym_size", "sym_stride", "sym_numel", "is_same_size", "_has_compatible_shallow_copy_type"}
@@ -165,21 +166,23 @@ class _Counter(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and id(t) not in written_ids:
                 written += _bytes(t)
-        self.traffic.kernels.append(Kernel(name, read, written, _LAUNCHES.get(name, 1)))
+        launches = 1 + (len(args) > 1 and args[1] is not None) if name in _UPDATES_STATS else _LAUNCHES.get(name, 1)
+        self.traffic.kernels.append(Kernel(name, read, written, launches))
         return out
 
 
 @contextlib.contextmanager
 def count_kernels() -> Iterator[Traffic]:
-    r"""Count the kernels the ops in the block run, the bytes each reads and writes, and the bytes
-    autograd keeps for backward: what they cost a GPU, which follows bytes for a memory-bound op.
+    r"""Count the kernels the ops in the block run and the bytes each reads and writes: what they
+    cost a GPU, whose time follows bytes for a memory-bound op such as BatchNorm.
 
     Counted by a TorchDispatchMode (so the shim's ops and torch's, forward and backward, are seen
     as the dispatcher runs them) that the shim does not count as a tracer: calls take the route
     they take without it. Each op's kernel is taken to read each tensor operand once and write
     each output once, except where CUDA's kernels for it are known to do otherwise (a training
     batch norm reads its input twice: statistics, then normalization). Combine with
-    :func:`device_route` to count the route a CUDA call takes.
+    :func:`device_route` to count the route a CUDA call takes, and with :func:`kept_for_backward`
+    for the memory a forward keeps. Per thread: ops other threads run are not counted.
 
     Example::
 
@@ -192,17 +195,41 @@ def count_kernels() -> Iterator[Traffic]:
         8
     """
     traffic = Traffic()
-    kept: Dict[Tuple[int, int, torch.dtype], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        kept[(t.data_ptr(), t.numel(), t.dtype)] = _bytes(t)
-        return t
-
     thread = _state.thread
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Counter(traffic):
+    with _Counter(traffic):
         thread.counters += 1
         try:
             yield traffic
         finally:
             thread.counters -= 1
-            traffic.kept = sum(kept.values())
+
+
+def kept_for_backward(*outputs: torch.Tensor) -> int:
+    r"""The bytes autograd keeps to differentiate ``outputs``: every tensor a node of their graph
+    saved for backward, each once (call it before the backward frees them).
+
+    Example::
+
+        >>> import torch
+        >>> from amp_bn_fix.testing import kept_for_backward
+        >>> x = torch.randn(8, 4, requires_grad=True)
+        >>> kept_for_backward(torch.nn.BatchNorm1d(4)(x)) >= x.numel() * 4   # the input, at least
+        True
+    """
+    kept: Dict[Tuple[int, int, torch.dtype], int] = {}
+    seen = set()
+    nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while nodes:
+        node = nodes.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        # A built-in node shows what it saved as ``_saved_<name>``; a Python Function's as ``saved_tensors``.
+        saved = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+        saved.extend(getattr(node, "saved_tensors", ()) or ())
+        for value in saved:
+            for t in tree_flatten(value)[0]:
+                if isinstance(t, torch.Tensor):
+                    kept[(t.data_ptr(), t.numel(), t.dtype)] = _bytes(t)
+        nodes.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return sum(kept.values())

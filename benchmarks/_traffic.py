@@ -2,7 +2,7 @@
 
 For a memory-bound op on a GPU, time follows the bytes its kernels move, and a small call's time
 follows its launches. ``amp_bn_fix.testing.count_kernels`` counts both (each kernel's reads and
-writes, CUDA's launches per op) and the bytes autograd keeps for backward; on CPU the calls take
+writes, CUDA's launches per op), ``kept_for_backward`` the bytes autograd keeps for backward; on CPU the calls take
 the route a CUDA call takes (``amp_bn_fix.testing.device_route``). Used by the ``traffic`` and
 ``aten-ops`` rows and by the tests that hold the budgets (``tests/test_cost.py``).
 """
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import amp_bn_fix
-from amp_bn_fix.testing import Kernel, count_kernels, device_route
+from amp_bn_fix.testing import Kernel, count_kernels, device_route, kept_for_backward
 
 # The shape of the issue this count was made for (ResNet-50's first BatchNorm at batch 32), and
 # the tiny call of the small-call rows.
@@ -88,12 +88,13 @@ def count_call(shape: Sequence[int], dtype: torch.dtype, policy: str, mode: str,
             grad = torch.randn(tuple(shape), device=device, dtype=out_dtype)
             with count_kernels() as traffic:
                 y = call()
+                kept = kept_for_backward(y)
                 if mode == "fwdbwd":
                     y.backward(grad)
     finally:
         (amp_bn_fix.enable if enabled else amp_bn_fix.disable)()
     values = x.numel()
-    return Count(traffic.moved / values, traffic.kept / values, traffic.launches, traffic.kernels)
+    return Count(traffic.moved / values, kept / values, traffic.launches, traffic.kernels)
 
 
 def predicted_ratio(count: Count, native: Count) -> float:

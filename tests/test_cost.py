@@ -6,14 +6,17 @@ the host route. The budgets are the project's: on a GPU a memory-bound op's time
 bytes, a small call's its launches. Timings live in the benchmark, not here.
 """
 
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
+import amp_bn_fix
 from amp_bn_fix import _guard, _tuning
-from amp_bn_fix.testing import count_kernels, device_route
+from amp_bn_fix.testing import count_kernels, device_route, kept_for_backward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from _traffic import NATIVE, POLICIES, count_call  # noqa: E402
@@ -125,8 +128,9 @@ def test_the_counter_leaves_the_route_as_it_is():
     with device_route(), count_kernels() as traffic, torch.autocast("cpu", dtype=torch.bfloat16):
         bn(x)
     assert torch.equal(bn.running_mean, before)  # guarded
-    assert "batch_norm_update_stats" in traffic.names() and "_to_copy" not in traffic.names()
-    assert traffic.moved > 0 and traffic.launches == len(traffic.kernels) + 1  # the stats op is two on CUDA
+    # CUDA's statistics op (its CPU stand-in here), two kernels with running stats; no FP32 copy.
+    assert "batch_norm_stats" in traffic.names() and "_to_copy" not in traffic.names()
+    assert traffic.moved > 0 and traffic.launches == len(traffic.kernels) + 1
 
 
 def test_the_count_follows_cuda_kernels_rules():
@@ -143,3 +147,36 @@ def test_the_count_follows_cuda_kernels_rules():
         y = torch.addcmul(shift, x.view(8, 4, 256).view(8, 4, 16, 16), scale)
     assert traffic.names() == ["addcmul"] and y.dtype is torch.float32
     assert traffic.kernels[0].read == x.numel() * 2 + 2 * 16 and traffic.kernels[0].written == x.numel() * 4
+
+
+def test_the_counter_changes_nothing_autograd_does():
+    # It saves nothing and hooks nothing: in-place checks, memory and torch.func work as without it.
+    x = torch.ones(3, requires_grad=True)
+    a = x * 1
+    with count_kernels():
+        b = a.sin()
+    a.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        b.sum().backward()
+    with count_kernels():
+        y = torch.relu(torch.randn(100, requires_grad=True))
+    alive = weakref.ref(y)
+    del y
+    gc.collect()
+    assert alive() is None
+    with count_kernels() as traffic:
+        grad = torch.func.grad(lambda w: w.sin().sum())(torch.zeros(5))
+    assert torch.equal(grad, torch.ones(5)) and traffic.kernels
+
+
+def test_kept_for_backward_counts_each_saved_tensor_once():
+    bn = torch.nn.BatchNorm2d(4)
+    x = torch.randn(8, 4, 16, 16).bfloat16().requires_grad_()
+    amp_bn_fix.disable()
+    try:
+        native = kept_for_backward(bn(x))
+        by_hand = kept_for_backward(bn(x.float()))
+    finally:
+        amp_bn_fix.enable()
+    # The input (2 bytes a value), or its FP32 copy (4), and a few per-channel tensors.
+    assert 2 * x.numel() <= native < 2 * x.numel() + 256 and 4 * x.numel() <= by_hand < 4 * x.numel() + 256

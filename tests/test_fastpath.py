@@ -346,6 +346,19 @@ def test_fp32_policy_long_rows_keep_fp32_accuracy(dtype, length):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_fp32_policy_statistics_keep_fp32_accuracy_on_every_route(both_routes, dtype):
+    # A mean a hundred spreads from zero over 65536 values per channel: a float sum of the channel
+    # (CPU's statistics op) is 60 times the FP32 kernel's error; CUDA's (Welford) and the route's
+    # stand-in for it on CPU are not.
+    x = (1000 + 10 * torch.randn(16, 4, 64, 64, generator=torch.Generator().manual_seed(6))).to(dtype)
+    running_mean, running_var = torch.zeros(4), torch.ones(4)
+    with torch.autocast("cpu", dtype=dtype):
+        out = F.batch_norm(x, running_mean, running_var, training=True)
+    assert out.dtype is torch.float32
+    assert_as_accurate_as_the_fp32_kernel(x, out, running_mean, running_var)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("rank", [3, 4, 5])
 def test_fp32_policy_training_saves_only_the_half_input_for_backward(dtype, rank):
     # An FP32 copy of the input would double what is held from forward to backward.
