@@ -8,11 +8,11 @@ from typing import Any, ContextManager, Optional, Tuple
 
 import torch
 import torch._guards
-
-from . import _state
 import torch.autograd.forward_ad
 from torch.overrides import _get_current_function_mode_stack, has_torch_function_variadic
 from torch.utils._device import DeviceContext
+
+from . import _state
 
 # Both take a device type since torch 2.4; older spellings (torch.is_autocast_cpu_enabled, ...)
 # are deprecated and not supported.
@@ -28,13 +28,7 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _forward_ad = torch.autograd.forward_ad
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 _functorch = torch._C._functorch
-_legacy_batched = _functorch.is_legacy_batchedtensor
-
-
-def is_batched(t: torch.Tensor) -> bool:
-    """Whether ``vmap`` batches ``t``: ``torch.func.vmap``'s tensors, and the legacy batched tensors
-    autograd hands a backward for ``is_grads_batched`` (where no transform is active)."""
-    return _functorch.is_batchedtensor(t) or _legacy_batched(t)
+_batched, _legacy_batched = _functorch.is_batchedtensor, _functorch.is_legacy_batchedtensor
 # The torch.func transforms in effect, outermost first (before torch 2.5 at least: the innermost).
 _interpreter_stack = getattr(_functorch, "get_interpreter_stack", None)
 _VMAP = _functorch.TransformType.Vmap
@@ -52,6 +46,12 @@ except ImportError:  # torch < 2.6
 _TAG_SEPARATOR = "|amp_bn_fix:"
 _modules = sys.modules
 _thread = _state.thread
+
+
+def is_batched(t: torch.Tensor) -> bool:
+    """Whether ``vmap`` batches ``t``: ``torch.func.vmap``'s tensors, and the legacy batched tensors
+    autograd hands a backward for ``is_grads_batched`` (where no transform is active)."""
+    return _batched(t) or _legacy_batched(t)
 
 
 def autocast_enabled(device_type: str) -> bool:

@@ -188,9 +188,10 @@ class _Normalize(torch.autograd.Function):
         if ctx.chunked and not torch.is_grad_enabled() and plain_eager(grad) and not is_batched(grad):
             grad_input, grad_weight, grad_bias = _backward_in_chunks(grad, input, weight, mean, spread, ctx.eps)
         else:
-            # So do batched gradients (``is_grads_batched``, torch.func over the backward) and tracers:
-            # the chunked backward's in-place updates of plain tensors cannot take a batched operand.
-            # CUDA's kernel asserts that the saved statistics are defined, empty in eval.
+            # Torch's FP32 backward, also for batched gradients (``is_grads_batched``, torch.func over
+            # the backward) and tracers: the chunked backward's in-place updates of plain tensors
+            # cannot take a batched operand. CUDA's kernel asserts that the saved statistics are
+            # defined: empty in eval, where it reads the running stats.
             saved = (None, None, mean, spread) if ctx.training else (mean, spread, mean[:0], spread[:0])
             grad_input, grad_weight, grad_bias = _aten.native_batch_norm_backward(
                 grad, input.float(), weight, *saved, ctx.training, ctx.eps, [needs[0], needs[1], needs[2]]

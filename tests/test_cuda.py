@@ -415,3 +415,76 @@ def test_torch_cuda_batch_norm_takes_a_16bit_input_with_fp32_parameters(dtype, t
     # One rounding of the output to 16 bits, relative to its largest value (eps: 2**-10 / 2**-7).
     eps = torch.finfo(dtype).eps
     assert (out.double() - expected).abs().max().item() <= eps * expected.abs().max().item()
+
+
+# --- the fp32 policy's route without an FP32 copy of the input (conftest lowers its size threshold
+# to 0, so every shape here takes it) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels_last"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_the_fp32_route_matches_fp64_forward_and_backward(dtype, training, channels_last):
+    from _bounds import assert_near
+
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(8).cuda().train(training)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5), bn.bias.normal_(), bn.running_mean.normal_(), bn.running_var.uniform_(0.5, 2)
+    reference = nn.BatchNorm2d(8).double().cuda().train(training)
+    reference.load_state_dict(bn.state_dict())
+    x = (torch.randn(16, 8, 14, 14, device="cuda") * 3 + 1).to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x64 = x.double().requires_grad_()
+    x.requires_grad_()
+    grad = torch.randn(x.shape, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        out = bn(x)
+    out.backward(grad)
+    expected = reference(x64)
+    expected.backward(grad.double())
+    n = x.numel() // 8
+    assert out.dtype is torch.float32 and x.grad.dtype is dtype
+    assert_near(out, expected, n, what="output")
+    assert_near(x.grad, x64.grad, n, what="input gradient")
+    assert_near(bn.weight.grad, reference.weight.grad, n, what="weight gradient")
+    assert_near(bn.running_var, reference.running_var, n, what="running var")
+
+
+@pytest.mark.parametrize("running", [True, False], ids=["running-stats", "none"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cudas_statistics_op_follows_the_rules_of_its_cpu_stand_in(dtype, running):
+    # The route a CUDA call takes runs amp_bn_fix::batch_norm_stats on CPU in place of this op:
+    # FP32 statistics (with or without running stats), the running stats updated alike.
+    from amp_bn_fix import _kernels
+
+    x = (torch.randn(8, 4, 16, 16, device="cuda") * 2 + 3).to(dtype)
+    stats = (torch.zeros(4, device="cuda"), torch.ones(4, device="cuda")) if running else (None, None)
+    cpu_stats = tuple(None if s is None else s.cpu() for s in stats)
+    mean, var = torch.batch_norm_update_stats(x, *stats, 0.1)
+    cpu_mean, cpu_var = _kernels._stand_in()(x.cpu(), *cpu_stats, 0.1)
+    assert mean.dtype is var.dtype is cpu_mean.dtype is cpu_var.dtype is torch.float32
+    torch.testing.assert_close(mean.cpu(), cpu_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(var.cpu(), cpu_var, rtol=1e-5, atol=1e-6)
+    for on_cuda, on_cpu in zip(stats, cpu_stats):
+        if on_cuda is not None:
+            torch.testing.assert_close(on_cuda.cpu(), on_cpu, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["train", "fwdbwd", "eval"])
+def test_the_count_on_cuda_is_the_count_on_the_device_route(mode):
+    # What tests/test_cost.py holds on CPU is what CUDA runs: the same kernels, bytes and launches.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from _traffic import count_call
+
+    shape = (16, 64, 32, 32)
+    on_cuda = count_call(shape, torch.bfloat16, "fp32", mode, device="cuda")
+    on_cpu = count_call(shape, torch.bfloat16, "fp32", mode, device="cpu")
+    stand_in = {"batch_norm_stats": "batch_norm_update_stats"}
+    assert [stand_in.get(name, name) for name in on_cpu.names()] == on_cuda.names()
+    assert on_cuda.launches == on_cpu.launches
+    assert abs(on_cuda.moved - on_cpu.moved) < 0.01 and abs(on_cuda.kept - on_cpu.kept) < 0.01
