@@ -129,8 +129,9 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
                 # A region strict export records takes the input as it comes under the ``input``
                 # policy (no output dtype): torch's mixed-dtype kernels compute it in FP32 there.
                 x = input if out_dtype is None else to_copy(input, _F32, eager)
-                out = original(x, work_mean, work_var, to_fp32(weight, eager), to_fp32(bias, eager), training,
-                               momentum, eps)
+                if not plain:  # a 16-bit input's FP32 output kept 16-bit weight and bias for the route
+                    weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
+                out = original(x, work_mean, work_var, weight, bias, training, momentum, eps)
         finally:
             # Also when the kernel raises after updating the stats: activation checkpointing's
             # early stop raises out of the recomputed kernel, and torch's own update is kept then too.

@@ -290,6 +290,13 @@ def _samples_per_part(samples: int, length: int) -> int:
     return max(k for k in range(1, max(1, _MAX_ROW // length) + 1) if samples % k == 0)
 
 
+def _float_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and biased variance of a half ``input``, reduced in float by the mixed kernel."""
+    # Its running stats are required for FP32 results; momentum 0 leaves these scratch ones alone.
+    scratch = torch.zeros(2, input.shape[1], dtype=torch.float32, device=input.device)
+    return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
+
+
 def _batch_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-channel mean and biased variance of a half ``input``, in float64, to FP32 accuracy.
 
@@ -352,13 +359,6 @@ def fp32_batch_norm(
             running_var.data.copy_(running_var.double() * (1 - momentum) + var * (momentum * count / (count - 1)))
         mean, var = mean.float(), var.float()
     return _Normalize.apply(input, weight, bias, mean, var, eps, True, chunked)
-
-
-def _float_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and biased variance of a half ``input``, reduced in float by CPU's mixed kernel."""
-    # Its running stats are required for FP32 results; momentum 0 leaves these scratch ones alone.
-    scratch = torch.zeros(2, input.shape[1], dtype=torch.float32, device=input.device)
-    return torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
 
 
 def _device_stats(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
