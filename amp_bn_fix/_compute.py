@@ -1,26 +1,29 @@
-"""Run a plan: a handled call's FP32 arithmetic, on the cheapest route its device and mode allow.
+"""Run a plan: a handled call's FP32 arithmetic, on the cheapest kernel its device and mode allow.
 
 One function, :func:`run`. The door passes in what computes torch's batch norm for it (``F.batch_norm``,
 the op below the dispatcher's autocast key, SyncBatchNorm's syncing function) and the
-:class:`~._plan.Plan`. The running stats it hands the kernel come from ``_guard`` (the caller's,
-a guarded working copy, or the rows of their FP32 master from ``_master``).
+:class:`~._plan.Plan`. The call runs inside one statistics session (:class:`Session`): autocast
+excluded, the running stats handed to the kernel (the caller's, a guarded working copy, or the rows
+of their FP32 master from ``_master``), and afterwards the guard's decision and the master's commit.
 
-Kernels, for a float16/bfloat16 input:
+The kernel is the first row of :data:`KERNELS` that takes the call, for a float16/bfloat16 input:
 
+* A half model's training call outside autocast, in plain eager mode: its output is torch's own,
+  and only the batch's FP32 statistics are brought to the running stats.
 * Output in the input's dtype (``input``, or a half model outside autocast) in plain eager mode on
   a device whose kernel computes a 16-bit input with FP32 parameters and statistics in FP32 (CPU
   for contiguous and channels_last inputs, CUDA's native and cuDNN kernels): the input goes
   straight to torch's kernel, with no copy.
 * FP32 output in plain eager mode (:mod:`._kernels`): statistics reduced from the 16-bit input and
   the output written from it, no FP32 copy of it made or kept. On the route a CUDA call takes for
-  every valid call, training and eval; on the host route (CPU) for large training calls.
+  large calls, training and eval; on the host route (CPU) for large training calls.
 * Otherwise the reference: ``original(input.float(), ...)`` with FP32 parameters and statistics.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -50,7 +53,139 @@ def _torch_own_f_batch_norm() -> Optional[Original]:
 _F_BATCH_NORM = _torch_own_f_batch_norm()
 
 
-def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> torch.Tensor:
+class Session:
+    """One computed call as its kernel takes it, and the statistics session around the kernel.
+
+    Made, it excludes autocast (nothing inside is recast half-way, and the dispatcher door at
+    autocast's key is not re-entered), takes the master's values where the plan has one and hands
+    out the running stats to update (``_guard.begin``) as :attr:`mean` and :attr:`var`. At
+    :meth:`end`, also when the kernel raises after updating them (activation checkpointing's early
+    stop raises out of the recomputed kernel, and torch's own update is kept then too), the guard
+    decides (``_guard.finish``), the master is rounded into the 16-bit buffers, and autocast is
+    restored.
+    """
+
+    __slots__ = ("original", "input", "weight", "bias", "training", "momentum", "eps", "out_dtype", "plain", "eager",
+                 "host", "native", "torch_output", "mean", "var", "_running", "_master", "_values",
+                 "_stats", "_update", "_token", "_autocast")
+
+    def __init__(self, original: Original, call: Tuple[Any, ...], plan: Plan, native: bool) -> None:
+        input, running_mean, running_var, weight, bias, training, momentum, eps = call
+        plain = plan.plain
+        # Only in plain eager mode may a kernel use what tracers would not record faithfully (a
+        # ``.data`` write, a Python autograd.Function, a backward hook, scratch tensors).
+        eager = plain or plain_eager(input, running_mean, running_var, weight, bias)
+        # torch's own F.batch_norm (not another library's wrapper of it) is torch.batch_norm once
+        # its checks pass: no torch function override (exact types, and no mode: a default-device
+        # mode would see the call again), more than one value per channel and a positive eps
+        # (else its errors, from it). torch.batch_norm is looked up at each call, as there.
+        if (plain and original is _F_BATCH_NORM and type(eps) is float and eps > 0.0
+                and not function_mode_enabled() and not (training and input.numel() == input.size(1))):
+            original = _torch_f_batch_norm
+        host = eager and _tuning.host_route(input)
+        master = plan.master and eager
+        update = bool(training) and running_mean is not None and running_var is not None
+        self.original, self.input, self.weight, self.bias = original, input, weight, bias
+        self.training, self.momentum, self.eps = training, momentum, eps
+        self.out_dtype, self.plain, self.eager, self.host, self.native = plan.out_dtype, plain, eager, host, native
+        self.torch_output, self._running, self._master, self._update = plan.torch_output, call[1:3], master, update
+        self._token: _guard.Token = None
+        self._autocast = exclude_autocast("cpu" if input.is_cpu else input.device.type, eager)
+        try:
+            if master:
+                # The master takes the update (and is read in eval); it is rounded into the buffers.
+                self._values = _master.values(running_mean, running_var, host)
+                mean, var = self._values.unbind()
+            else:
+                mean, var = running_mean, running_var
+            self._stats = mean, var
+            if update:
+                mean, var, self._token = _guard.begin(mean, var, guard=plan.guard, eager=eager, host=host, plain=plain)
+            elif not plain:  # a plain plan's stats are FP32 already
+                mean, var = to_fp32(mean, eager), to_fp32(var, eager)
+        except BaseException:
+            restore_autocast(self._autocast)
+            raise
+        self.mean, self.var = mean, var
+
+    def end(self) -> None:
+        try:
+            if self._update:
+                running_mean, running_var = self._running
+                _guard.finish(*self._stats, self.mean, self.var, self._token, self.eager, running_mean)
+                if self._master:
+                    _master.commit(running_mean, running_var, self._values)
+        finally:
+            restore_autocast(self._autocast)
+
+
+# ---- The kernels: when each takes a call (and how it runs it), in order ----
+
+
+def _when_statistics_only(s: Session) -> Optional[bool]:
+    # torch's own output is made: in eager mode only the batch's statistics remain. torch's op for
+    # them updates FP32 stats as its kernels do (no output, about half a batch norm on CPU). It
+    # mutates stats its schema does not mark as written, which tracers would miss, and has no meta kernel.
+    return True if s.torch_output and s.eager and not s.input.is_meta else None
+
+
+def _statistics_only(s: Session, _: bool) -> None:
+    if s.input.numel():  # an empty batch leaves the stats, as torch's kernels do
+        torch.batch_norm_update_stats(s.input, s.mean, s.var, s.momentum)
+
+
+def _when_mixed(s: Session) -> Optional[torch.memory_format]:
+    """The layout in which torch's kernel for the input's device computes it exactly in FP32, if any."""
+    if not (s.native and s.eager and s.out_dtype is s.input.dtype):
+        return None
+    if s.input.is_cpu:
+        return _kernels.mixed_kernel_layout(s.input)
+    return torch.preserve_format if s.input.device.type in _MIXED_KERNEL_DEVICES else None
+
+
+def _mixed(s: Session, layout: torch.memory_format) -> torch.Tensor:
+    args = (s.mean, s.var, to_fp32(s.weight, True), to_fp32(s.bias, True), s.training, s.momentum, s.eps)
+    if s.input.is_cpu:
+        return _kernels.mixed_batch_norm(s.original, layout, s.input, *args)
+    return s.original(s.input, *args)
+
+
+def _when_fp32_route(s: Session) -> Optional[bool]:
+    # Where it pays: large calls only (``_tuning``), asked before anything else.
+    if not (s.native and s.eager and s.out_dtype is _F32) or s.input.numel() < (
+            _tuning.min_values() if s.host else _tuning.DEVICE_MIN_VALUES):
+        return None
+    return _kernels.fp32_route(s.host, s.input, s.mean, s.var, s.weight, s.bias, s.training, s.momentum, s.eps)
+
+
+def _fp32_route(s: Session, chunked: bool) -> torch.Tensor:
+    # A half model's 16-bit weight and bias are read as they are.
+    return _kernels.fp32_batch_norm(s.input, s.mean, s.var, s.weight, s.bias, s.training, s.momentum, s.eps, chunked)
+
+
+def _reference(s: Session, _: bool) -> torch.Tensor:
+    # A region strict export records takes the input as it comes under the ``input`` policy (no
+    # output dtype): torch's mixed-dtype kernels compute it in FP32 there.
+    eager = s.eager
+    x = s.input if s.out_dtype is None else to_copy(s.input, _F32, eager)
+    weight, bias = s.weight, s.bias
+    if not s.plain:  # a plain plan's are FP32 already
+        weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
+    return s.original(x, s.mean, s.var, weight, bias, s.training, s.momentum, s.eps)
+
+
+# (when, run): ``when(session)`` says what the kernel needs to know to run the call (a layout,
+# whether in chunks), or None: not this one; the first that takes the call runs it. The reference
+# takes every call (``when`` None).
+KERNELS: Tuple[Tuple[Optional[Callable[[Session], Any]], Callable[[Session, Any], Optional[torch.Tensor]]], ...] = (
+    (_when_statistics_only, _statistics_only),  # the batch's statistics only
+    (_when_mixed, _mixed),  # torch's mixed-dtype kernel
+    (_when_fp32_route, _fp32_route),  # the FP32 route
+    (None, _reference),  # the reference
+)
+
+
+def run(original: Original, call: Tuple[Any, ...], plan: Plan, native: bool = True) -> torch.Tensor:
     """Compute ``call`` (``F.batch_norm``'s eight arguments) with FP32 statistics, normalization and
     running-stat update, as ``plan`` says; the result is ``plan.out_dtype``.
 
@@ -60,90 +195,26 @@ def run(original: Original, call: Tuple, plan: Plan, native: bool = True) -> tor
     step whose statistics are not finite leaves the running stats untouched (the output still
     carries the inf/NaN, so GradScaler sees it).
     """
-    input, running_mean, running_var, weight, bias, training, momentum, eps = call
-    plain = plan.plain
-    # Only in plain eager mode may a route use what tracers would not record faithfully (a
-    # ``.data`` write, a Python autograd.Function, a backward hook, scratch tensors).
-    eager = plain or plain_eager(input, running_mean, running_var, weight, bias)
-    host = eager and _tuning.host_route(input)
     shown = None
     if plan.torch_output:
-        # torch's own output (its kernel on the call as given, bit for bit); below, with nothing to
-        # differentiate, only the batch's FP32 statistics are brought to the running stats.
+        # torch's own output (its kernel on the call as given, bit for bit); the kernel then has
+        # nothing to differentiate and only brings the batch's FP32 statistics to the running stats.
+        input, mean, var, weight, bias, training, momentum, eps = call
         shown = original(input, None, None, weight, bias, training, momentum, eps)
-        input, weight, bias = input.detach(), None, None
-    out_dtype = plan.out_dtype
-    # A 16-bit input's FP32 output in eager mode may take the FP32 route, which reads 16-bit weight
-    # and bias as they are; every other kernel takes them FP32.
-    if not plain and not (eager and out_dtype is _F32 and input.dtype is not _F32):
-        weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
-    master = plan.master and eager
-    # Nothing inside is recast half-way, and the dispatcher door at autocast's key is not re-entered.
-    autocast = exclude_autocast("cpu" if input.is_cpu else input.device.type, eager)
+        call = (input.detach(), mean, var, None, None, training, momentum, eps)
+    session = Session(original, call, plan, native)
     try:
-        if master:
-            # The master takes the update (and is read in eval); it is rounded into the 16-bit buffers.
-            master_values = _master.values(running_mean, running_var, host)
-            mean, var = master_values.unbind()
-        else:
-            mean, var = running_mean, running_var
-        update = bool(training) and mean is not None and var is not None
-        if update:
-            work_mean, work_var, token = _guard.begin(mean, var, plan.guard, eager, host, plain)
-        elif plain:  # FP32 stats already
-            work_mean, work_var = mean, var
-        else:
-            work_mean, work_var = to_fp32(mean, eager), to_fp32(var, eager)
-        try:
-            # torch's own F.batch_norm (not another library's wrapper of it) is torch.batch_norm once
-            # its checks pass: no torch function override (exact types, and no mode: a default-device
-            # mode would see the call again), more than one value per channel and a positive eps
-            # (else its errors, from it). torch.batch_norm is looked up at each call, as there.
-            if (plain and original is _F_BATCH_NORM and type(eps) is float and eps > 0.0
-                    and not function_mode_enabled() and not (training and input.numel() == input.size(1))):
-                original = _torch_f_batch_norm
-            # With torch's own output, in eager mode only the batch's statistics remain: torch's op
-            # for them updates FP32 stats as its kernels do (no output, about half a batch norm on
-            # CPU). It mutates stats its schema does not mark as written, which tracers would miss,
-            # and has no meta kernel.
-            stats_only = shown is not None and eager and not input.is_meta
-            layout = (_mixed_kernel_layout(input) if native and eager and out_dtype is input.dtype and not stats_only
-                      else None)
-            if stats_only:
-                if input.numel():  # an empty batch leaves the stats, as torch's kernels do
-                    torch.batch_norm_update_stats(input, work_mean, work_var, momentum)
-            elif layout is not None:
-                if input.is_cpu:
-                    out = _kernels.mixed_batch_norm(original, layout, input, work_mean, work_var, weight, bias,
-                                                    training, momentum, eps)
-                else:
-                    out = original(input, work_mean, work_var, weight, bias, training, momentum, eps)
-            elif (native and eager and out_dtype is _F32
-                  # The sizes below which no route takes a call, read before a call to ask the route.
-                  and input.numel() >= (_tuning.MIN_VALUES if host else _tuning.DEVICE_MIN_VALUES)
-                  and (chunked := _kernels.fp32_route(host, input, work_mean, work_var, weight, bias, training,
-                                                      momentum, eps)) is not None):
-                out = _kernels.fp32_batch_norm(input, work_mean, work_var, weight, bias, training, momentum, eps,
-                                               chunked)
-            else:
-                # A region strict export records takes the input as it comes under the ``input``
-                # policy (no output dtype): torch's mixed-dtype kernels compute it in FP32 there.
-                x = input if out_dtype is None else to_copy(input, _F32, eager)
-                if not plain:  # a 16-bit input's FP32 output kept 16-bit weight and bias for the route
-                    weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
-                out = original(x, work_mean, work_var, weight, bias, training, momentum, eps)
-        finally:
-            # Also when the kernel raises after updating the stats: activation checkpointing's
-            # early stop raises out of the recomputed kernel, and torch's own update is kept then too.
-            if update:
-                _guard.finish(mean, var, work_mean, work_var, token, eager, running_mean)
-            if master and update:
-                _master.commit(running_mean, running_var, master_values)
+        for when, kernel in KERNELS:
+            how = True if when is None else when(session)
+            if how is not None:
+                out = kernel(session, how)
+                break
     finally:
-        restore_autocast(autocast)
+        session.end()
     if shown is not None:
         return shown
-    return out if out_dtype is None or out.dtype is out_dtype else to_copy(out, out_dtype, eager)
+    out_dtype = plan.out_dtype
+    return out if out_dtype is None or out.dtype is out_dtype else to_copy(out, out_dtype, session.eager)
 
 
 def _torch_f_batch_norm(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
@@ -151,13 +222,6 @@ def _torch_f_batch_norm(input: torch.Tensor, running_mean: Optional[torch.Tensor
                         eps: float) -> torch.Tensor:
     """``F.batch_norm`` for a call its Python checks pass: its last line."""
     return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled())
-
-
-def _mixed_kernel_layout(input: torch.Tensor) -> Optional[torch.memory_format]:
-    """The layout in which torch's kernel for ``input``'s device computes it exactly in FP32, if any."""
-    if input.is_cpu:
-        return _kernels.mixed_kernel_layout(input)
-    return torch.preserve_format if input.device.type in _MIXED_KERNEL_DEVICES else None
 
 
 def to_fp32(t: Optional[torch.Tensor], eager: bool = False) -> Optional[torch.Tensor]:

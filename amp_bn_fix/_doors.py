@@ -1,7 +1,8 @@
-"""The doors: every way a batch norm reaches the shim, each the same four steps.
+"""The doors: every way a batch norm reaches the shim, each one template.
 
-Arguments (bound by name where they do not come in ``F.batch_norm``'s order), then the one plan
-(``_plan.plan``), then the one compute (``_compute.run``) or torch, then the count (``_record``):
+A door only maps its arguments to ``F.batch_norm``'s eight (ATen's order in :func:`_swap_pairs`);
+:func:`_enter` does the rest, once for all: the one plan (``_plan.plan``), this thread's flag, torch's
+own call or the one compute (``_compute.run``), and the count (``_record``).
 
 * :func:`batch_norm`: the wrapper of ``torch.nn.functional.batch_norm``, and the core of the
   dispatcher kernel for ``aten::batch_norm`` (:func:`batch_norm_kernel`), which sees every other
@@ -23,17 +24,20 @@ to torch, so a call is decided and counted once.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+import sys
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import has_torch_function_variadic
 
 from . import _compute, _guard, _record, _state, _tuning
-from ._compat import LOW_PRECISION, exclude_autocast, foreach_copy, restore_autocast, untraced
-from ._plan import bind, plan
+from ._compat import LOW_PRECISION, exclude_autocast, foreach_copy, is_compiling, is_exporting, restore_autocast, untraced
+from ._compute import Original
+from ._plan import Plan, bind, considered, plan
 
 _thread = _state.thread
 _counts = _record.counts
+_modules = sys.modules
 _has_torch_function = has_torch_function_variadic
 # Below the dispatcher kernels, ops run as ``torch.batch_norm``'s binding (a few microseconds less
 # than the op looked up in ``torch.ops``) unless a tensor or an active mode overrides torch
@@ -45,6 +49,32 @@ _torch_instance_norm = torch.instance_norm
 _aten_impl_index = torch.ops.aten._batch_norm_impl_index.default
 _torch_impl_index = torch._batch_norm_impl_index
 _aten_impl_index_backward = torch.ops.aten._batch_norm_impl_index_backward.default
+
+
+def _enter(call: Tuple[Any, ...], decided: Optional[Plan], original: Original, native: bool,
+           torch_own: Callable[[], Any]) -> Any:
+    """Every door's steps after its plan: this thread's flag, then ``torch_own()`` (``decided`` None)
+    or the compute with ``original`` (see ``_compute.run``), then the count."""
+    if "torch._dynamo" in _modules and is_compiling() and not is_exporting() and considered(call):
+        # The policy torch.compile compiles the call under (strict export traces with dynamo too,
+        # but keeps no compiled code a scope could miss).
+        _state.compiled_policies.add(_state.policy(call[0].device.type))
+    _thread.inside = True
+    try:
+        if decided is None:
+            _counts.passed += 1
+            return torch_own()
+        out = _compute.run(original, call, decided, native)
+    finally:
+        _thread.inside = False
+    _record.handled(decided.counted_as)  # once computed: a call that raises was not handled
+    return out
+
+
+def _swap_pairs(args: Sequence[Any]) -> Tuple[Any, ...]:
+    """ATen's order (input, weight, bias, running_mean, running_var, ...) to ``F.batch_norm``'s
+    (input, running_mean, running_var, weight, bias, ...), and back: the pairs trade places."""
+    return (args[0], args[3], args[4], args[1], args[2], *args[5:])
 
 
 def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict,
@@ -62,17 +92,7 @@ def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple,
             call = bind(*args, **kwargs)
         except TypeError:  # malformed: torch's own error
             call = (None,) * 8
-    decided = plan(call)
-    _thread.inside = True
-    try:
-        if decided is None:
-            _counts.passed += 1
-            return wrapped(*args, **kwargs)
-        out = _compute.run(wrapped, call, decided, native)
-    finally:
-        _thread.inside = False
-    _record.handled(decided.counted_as)  # once computed: a call that raises was not handled
-    return out
+    return _enter(call, plan(call), wrapped, native, lambda: wrapped(*args, **kwargs))
 
 
 def _below_autocast(device_type: str, op: Any, torch_function: Any, args: tuple) -> torch.Tensor:
@@ -86,23 +106,21 @@ def _below_autocast(device_type: str, op: Any, torch_function: Any, args: tuple)
         restore_autocast(excluded)
 
 
-def _batch_norm_below_autocast(device_type: str, cudnn_enabled: bool, input: torch.Tensor,
-                               running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
-                               weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                               training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> torch.Tensor:
+def _batch_norm_below_autocast(device_type: str, cudnn_enabled: bool, *call: Any) -> torch.Tensor:
     """``aten::batch_norm`` below the door, with ``F.batch_norm``'s signature (what the compute calls)."""
-    args = (input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
-    return _below_autocast(device_type, _aten_batch_norm, _torch_batch_norm, args)
+    return _below_autocast(device_type, _aten_batch_norm, _torch_batch_norm, (*_swap_pairs(_bound(call)), cudnn_enabled))
+
+
+def _bound(call: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    return call if len(call) == 8 else bind(*call)
 
 
 def batch_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
     """The dispatcher kernel of ``aten::batch_norm`` at ``device_type``'s autocast key."""
 
-    def batch_norm_at_autocast(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                               running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
-                               training: bool, momentum: float, eps: float, cudnn_enabled: bool) -> torch.Tensor:
-        below = functools.partial(_batch_norm_below_autocast, device_type, cudnn_enabled)
-        return batch_norm(below, None, (input, running_mean, running_var, weight, bias, training, momentum, eps), {})
+    def batch_norm_at_autocast(*args: Any) -> torch.Tensor:
+        below = functools.partial(_batch_norm_below_autocast, device_type, args[8])
+        return batch_norm(below, None, _swap_pairs(args[:8]), {})
 
     return batch_norm_at_autocast
 
@@ -117,20 +135,15 @@ def batch_norm_impl_index_kernel(device_type: str) -> Callable[..., Tuple[Any, .
     :func:`batch_norm_impl_index_backward` differentiates.
     """
 
-    def impl_index_at_autocast(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                               running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
-                               training: bool, momentum: float, eps: float, cudnn_enabled: bool) -> Tuple[Any, ...]:
+    def impl_index_at_autocast(*args: Any) -> Tuple[Any, ...]:
         saved: List[Any] = []
 
-        def below(x: torch.Tensor, mean: Optional[torch.Tensor], var: Optional[torch.Tensor],
-                  w: Optional[torch.Tensor] = None, b: Optional[torch.Tensor] = None, training: bool = False,
-                  momentum: float = 0.1, eps: float = 1e-5) -> torch.Tensor:
+        def below(*call: Any) -> torch.Tensor:
             out, *saved[:] = _below_autocast(device_type, _aten_impl_index, _torch_impl_index,
-                                             (x, w, b, mean, var, training, momentum, eps, cudnn_enabled))
+                                             (*_swap_pairs(_bound(call)), args[8]))
             return out
 
-        call = (input, running_mean, running_var, weight, bias, training, momentum, eps)
-        out = batch_norm(below, None, call, {}, native=False)  # one call of ``below``: its results are these
+        out = batch_norm(below, None, _swap_pairs(args[:8]), {}, native=False)  # one call of ``below``
         return (out, *saved)
 
     return impl_index_at_autocast
@@ -174,14 +187,15 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
     (one record per module, named by ``report(model)``). A call left to torch is torch's own.
     """
 
-    def instance_norm_at_autocast(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                                  running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
-                                  use_input_stats: bool, momentum: float, eps: float,
-                                  cudnn_enabled: bool) -> torch.Tensor:
-        args = (input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled)
-        if _thread.inside:
+    def instance_norm_at_autocast(*args: Any) -> torch.Tensor:
+        input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled = args
+
+        def torch_own() -> torch.Tensor:
             return _below_autocast(device_type, _aten_instance_norm, _torch_instance_norm, args)
-        decided = None
+
+        if _thread.inside:
+            return torch_own()
+        decided = call = None
         # 16-bit calls with a batch dimension, and stats in eval: a malformed call gets torch's own error.
         if (input.dtype in LOW_PRECISION and input.dim() >= 2
                 and (use_input_stats or (running_mean is not None and running_var is not None))):
@@ -190,18 +204,12 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
             x = input.contiguous().view((1, n * c) + tuple(input.shape[2:]))
             call = (x, mean_copies, var_copies, _repeat(weight, n), _repeat(bias, n), use_input_stats, momentum, eps)
             decided = plan(call, guard=False)  # the copies are not the module's stats: their average is guarded
-        _thread.inside = True
-        try:
-            if decided is None:
-                _counts.passed += 1
-                return _below_autocast(device_type, _aten_instance_norm, _torch_instance_norm, args)
-            below = functools.partial(_batch_norm_below_autocast, device_type, cudnn_enabled)
-            out = _compute.run(below, call, decided)
-            if use_input_stats:
-                _average_copies(running_mean, running_var, mean_copies, var_copies, n, c)
-        finally:
-            _thread.inside = False
-        _record.handled(decided.counted_as)
+        below = functools.partial(_batch_norm_below_autocast, device_type, cudnn_enabled)
+        out = _enter(call, decided, below, True, torch_own)  # type: ignore[arg-type]
+        if decided is None:
+            return out
+        if use_input_stats:
+            _average_copies(running_mean, running_var, mean_copies, var_copies, n, c)
         return out.view(input.shape)
 
     return instance_norm_at_autocast
@@ -219,7 +227,7 @@ def _average_copies(running_mean: Optional[torch.Tensor], running_var: Optional[
     eager = untraced(running_mean, running_var)
     guard = _state.config.guard and eager and running_mean.shape == running_var.shape
     host = _tuning.host_route(running_mean)
-    mean, var, token = _guard.begin(running_mean, running_var, guard, eager, host)
+    mean, var, token = _guard.begin(running_mean, running_var, guard=guard, eager=eager, host=host)
     foreach_copy((mean, var), (mean_copies.view(n, c).mean(0), var_copies.view(n, c).mean(0)))  # type: ignore[union-attr]
     _guard.finish(running_mean, running_var, mean, var, token, eager, running_mean)
 
@@ -254,17 +262,12 @@ def sync_batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: t
     as_batch_norm = (call.input, call.running_mean, call.running_var, call.weight, call.bias, True, call.momentum,
                      call.eps)
     decided = plan(as_batch_norm)
-    # Outside autocast a half model's syncing call is torch's own: its output is torch's, and a
-    # second pass for the master's FP32 update would gather across the ranks again. Its 16-bit
-    # update reaches the master by value at the next call the shim computes.
-    if decided is None or decided.torch_output:
-        _counts.passed += 1
-        _thread.inside = True
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            _thread.inside = False
-    if decided.recorded:
+    if decided is not None and decided.torch_output:
+        # Outside autocast a half model's syncing call is torch's own: its output is torch's, and a
+        # second pass for the master's FP32 update would gather across the ranks again. Its 16-bit
+        # update reaches the master by value at the next call the shim computes.
+        decided = None
+    if decided is not None and decided.recorded:
         raise RuntimeError(
             "amp_bn_fix: strict torch.export records the torch.autocast block inside forward() without "
             f"running it, and SyncBatchNorm's syncing path cannot carry the BatchNorm policy {decided.counted_as!r} "
@@ -278,10 +281,4 @@ def sync_batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: t
         return wrapped(input, weight, bias, running_mean, running_var, eps, momentum, call.process_group,
                        call.world_size)
 
-    _thread.inside = True
-    try:
-        out = _compute.run(syncing, as_batch_norm, decided, False)
-    finally:
-        _thread.inside = False
-    _record.handled(decided.counted_as)
-    return out
+    return _enter(as_batch_norm, decided, syncing, False, lambda: wrapped(*args, **kwargs))

@@ -42,7 +42,7 @@ _HOST, _DEVICE, _COPIES = 1, 2, 3
 Token = Optional[Tuple[int, Any]]
 
 
-def begin(mean: torch.Tensor, var: torch.Tensor, guard: bool, eager: bool, host: bool, plain: bool = False
+def begin(mean: torch.Tensor, var: torch.Tensor, *, guard: bool, eager: bool, host: bool, plain: bool = False
           ) -> Tuple[torch.Tensor, torch.Tensor, Token]:
     """The FP32 tensors an update of ``mean`` and ``var`` writes into, and the token :func:`finish` takes.
 

@@ -105,16 +105,13 @@ def fp32_route(
     a tensor of the wrong size, dtype or device, stats that require grad), and the empty batch it
     special-cases, goes to the reference: errors and edge cases stay the original's.
 
-    On the host route only large training calls in contiguous NCHW pay for the chunks' many small
-    ops (``_tuning``); other layouts would be copied by the row-wise reduction, and the reference
-    is fast for channels_last. On the device route large calls in every layout, training and eval
-    alike: there the reference's FP32 copy of the input is what costs, and small calls pay for
-    launches instead (``_tuning.DEVICE_MIN_VALUES``; see ``docs/performance.md``).
+    The caller asks only for calls large enough to pay (``_tuning``). On the host route only
+    training calls in contiguous NCHW pay for the chunks' many small ops; other layouts would be
+    copied by the row-wise reduction, and the reference is fast for channels_last. On the device
+    route calls in every layout, training and eval alike: there the reference's FP32 copy of the
+    input is what costs (see ``docs/performance.md``).
     """
-    if host:
-        if training is not True or input.numel() < _tuning.min_values():
-            return None
-    elif (training is not True and training is not False) or input.numel() < _tuning.DEVICE_MIN_VALUES:
+    if training is not True and (host or training is not False):
         return None
     if input.dtype not in LOW_PRECISION or type(momentum) not in (int, float) or type(eps) not in (int, float):
         return None

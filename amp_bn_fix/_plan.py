@@ -1,24 +1,33 @@
 """Decide one batch-norm call: whether the shim computes it, and how (:func:`plan`).
 
-Pure and cheap: attribute reads, no tensor op, no state but the settings and scopes (``_state``) and
-whether 16-bit stats have an FP32 master (``_master``); one exception, a float16 model's eval call
-outside autocast, reads on the host whether its buffers overflowed. Every door asks :func:`plan`
-and nothing else.
+The decision is one ordered table, :data:`ROUTES`: the first route whose predicate holds makes the
+plan, or leaves the call to torch. Before it, the one test every call pays (:func:`considered`): a
+16-bit input, or an FP32 one under a TorchFunctionMode (strict export records autocast regions
+without entering them) or next to 16-bit weights or stats.
+
+Pure: the routes read the call, the settings and the policy in force, and nothing else; one reads
+tensor values (a float16 model's eval call outside autocast reads whether its buffers overflowed),
+and says so by returning a :class:`Deferred` plan. In plain eager mode the table's answer is kept,
+keyed by what the routes read (:func:`_key`), so the call BatchNorm modules make pays for the
+table once per kind of call.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from . import _master, _state
 from ._compat import (LOW_PRECISION, autocast_dtype, autocast_enabled, function_mode_enabled, has_internal_overlap,
-                      is_compiling, is_exporting, recorded_autocast_dtype, untraced)
+                      recorded_autocast_dtype, untraced)
+from _amp_bn_fix_boot.settings import Config
 
 _F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _is_autocast_enabled = torch.is_autocast_enabled
+# Device types autocast always knows (others are asked whether it does first).
+_AUTOCAST_TYPES = frozenset({"cpu", "cuda"})
 
 
 class BatchNormCall(NamedTuple):
@@ -61,7 +70,8 @@ class Plan(NamedTuple):
     # The 16-bit running stats have an FP32 master (``keep_fp32="master"``, see ``_master``).
     master: bool = False
     # The call BatchNorm modules make under autocast in plain eager mode: exact tensor types, FP32
-    # (or absent) parameters and 1-D stats of one shape. ``_compute`` need not ask it anything.
+    # (or absent) parameters and 1-D stats of one shape on the input's device. ``_compute`` and
+    # ``_guard`` need not ask it anything.
     plain: bool = False
     # A call strict torch.export records inside an autocast block without entering it: the input's
     # dtype when the program runs is not known (see ``_compat.recorded_autocast_dtype``).
@@ -71,101 +81,29 @@ class Plan(NamedTuple):
     torch_output: bool = False
 
 
-def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
-    """The plan for ``call`` (``F.batch_norm``'s eight arguments), or ``None`` when torch computes it.
+class Deferred(NamedTuple):
+    """A plan that holds only where ``when(running_mean, running_var)`` reads true: the call's values decide."""
 
-    ``guard`` False: the running stats are not the caller's to guard (InstanceNorm's per-sample
-    copies, whose average the door guards). First the test every call pays: a 16-bit input, or an
-    FP32 one under a TorchFunctionMode (strict export's records autocast regions without entering
-    them) or next to 16-bit weights or stats. Then the common call (the one BatchNorm modules make
-    under autocast), decided in a few reads, and a half model's eval call outside autocast, left to
-    torch in a few more; every other call by the questions below them.
-    """
-    input, mean, var, weight, bias, training, _, _ = call
-    dtype = getattr(input, "dtype", None)
-    if dtype is not _F16 and dtype is not _BF16 and (
-            dtype is not _F32 or not (function_mode_enabled() or _any_16_bit(mean, var, weight, bias))):
-        return None
-    config = _state.config
-    guard = guard and config.guard
-    device_type = "cpu" if input.is_cpu else "cuda" if input.is_cuda else None
-    if (
-        device_type is not None
-        and dtype is not _F32
-        and type(input) is _Tensor
-        and input.dim() >= 2
-        and _is_autocast_enabled(device_type)
-        and (training is False or training is True)
-    ):
-        plain = True
-        # FP32 (or absent) weight, bias and stats of exact types (no subclass, no other object).
-        for t in (weight, bias, mean, var):
-            if t is not None and ((type(t) is not _Tensor and type(t) is not _Parameter) or t.dtype is not _F32):
-                plain = False
-        # In training, both stats or neither; 1-D, of one shape, contiguous, with values, not
-        # requiring grad and on the input's device (so the guard's snapshot is one joined copy).
-        if plain and training and (mean is not None or var is not None):
-            plain = not (
-                mean is None
-                or var is None
-                or mean.requires_grad
-                or var.requires_grad
-                or mean.dim() != 1
-                or var.shape != mean.shape
-                or not mean.is_contiguous()
-                or not var.is_contiguous()
-                or mean.numel() == 0
-                or not (mean.is_cpu and var.is_cpu if device_type == "cpu"
-                        else mean.get_device() == var.get_device() == input.get_device())
-            )
-        if plain and untraced(input, mean, var, weight, bias):
-            policy = _state.policy(device_type, False)
-            if policy == "off":
-                return None
-            # The few plans of the common call, each made once: a NamedTuple costs a Python call.
-            key = (policy, dtype, guard, autocast_dtype(device_type) if policy == "autocast" else None)
-            found = _plain_plans.get(key)
-            if found is None:
-                found = _plain_plans[key] = Plan(_out_dtype(policy, device_type, dtype), guard, policy, False, True)
-            return found
-    # A half model's eval call outside autocast (every tensor in the input's dtype) is torch's own,
-    # whatever the policy: decided here, unless float16 buffers overflowed that have a master.
-    if (training is False and device_type is not None and not _is_autocast_enabled(device_type)
-            and not function_mode_enabled() and not _mixed(call, dtype) and mean is not None and var is not None
-            and not (dtype is _F16 and config.keep_fp32 == "master" and _master.holds_more(mean, var))):
-        return None
-    device_type = input.device.type
-    policy = _state.policy(device_type)
-    # Strict torch.export traces with dynamo too, but keeps no compiled code a scope could miss.
-    if is_compiling() and not is_exporting():
-        _state.compiled_policies.add(policy)
-    if policy != "off":
-        region_dtype = recorded_autocast_dtype(device_type)
-        if region_dtype is not None:
-            out_dtype = None if policy == "input" else _out_dtype(policy, device_type, _F32, region_dtype)
-            return Plan(out_dtype, guard, policy, recorded=True)
-    # An FP32 input is the shim's only next to 16-bit weights or stats: what the ``fp32`` policy
-    # hands a half model's next BatchNorm (through a concatenation or a pooling), which torch rejects.
-    if (dtype is _F32 and not _any_16_bit(mean, var, weight, bias)) or _left_to_torch(call):
-        return None
-    if policy == "off":
-        return Plan(dtype, False, "input") if _left_by_keep_stats(call, dtype) else None
-    master = config.keep_fp32 == "master" and _has_16_bit_stats(mean, var)
-    # A meta tensor has no values for the guard to judge (and none for report() to read), and stats
-    # on another device than the input's are torch's error to report, not the guard's to read.
-    guard = guard and not input.is_meta and _on_device_of(input, mean, var)
-    if autocast_enabled(device_type):
-        return Plan(_out_dtype(policy, device_type, dtype), guard, policy, master)
-    if dtype is _F32:  # outside autocast such a mix keeps torch's own error
-        return None
-    # Outside autocast the caller chose half precision, and the output is torch's own: a call torch
-    # computes as it is gets torch's kernel, and the master the FP32 update of its running stats
-    # (started here if there is none). A mix torch's kernels reject gets FP32 arithmetic.
-    if _mixed(call, dtype):
-        return Plan(dtype, guard, "input", master)
-    if master and (training or _master.holds_more(mean, var)):  # type: ignore[arg-type]
-        return Plan(dtype, guard, "input", True, torch_output=bool(training))
-    return None
+    plan: Plan
+    when: Callable[[torch.Tensor, torch.Tensor], bool]
+
+
+Decision = Union[Plan, Deferred, None]
+
+
+class Ask(NamedTuple):
+    """What the routes read besides the call: read once per decision."""
+
+    call: Tuple[Any, ...]
+    config: Config
+    device_type: str
+    policy: str
+    # The caller guards the running stats (InstanceNorm's per-sample copies are not the caller's).
+    guard: bool
+    untraced: bool
+
+
+# ---- The rules the routes share, each once ----
 
 
 def _out_dtype(policy: str, device_type: str, input_dtype: torch.dtype,
@@ -178,7 +116,38 @@ def _out_dtype(policy: str, device_type: str, input_dtype: torch.dtype,
     return input_dtype
 
 
-_plain_plans: Dict[Tuple[str, torch.dtype, bool, Optional[torch.dtype]], Plan] = {}
+def _guarded(ask: Ask) -> bool:
+    """Whether the guard judges this call's update: a training call's, asked for, of stats it can
+    read. A meta tensor has no values, and stats on another device than the input's are torch's
+    error to report."""
+    input, mean, var, _, _, training = ask.call[:6]
+    return (bool(training) and ask.guard and ask.config.guard and not input.is_meta
+            and _on_device_of(input, mean, var))
+
+
+def _has_master(ask: Ask) -> bool:
+    return ask.config.keep_fp32 == "master" and _has_16_bit_stats(ask.call[1], ask.call[2])
+
+
+def _is_plain(ask: Ask) -> bool:
+    """Whether an autocast call is the one BatchNorm modules make in plain eager mode (``Plan.plain``)."""
+    input, mean, var, weight, bias, training = ask.call[:6]
+    if not (ask.untraced and ask.device_type in ("cpu", "cuda") and input.dtype is not _F32
+            and type(input) is _Tensor and input.dim() >= 2 and (training is True or training is False)):
+        return False
+    # FP32 (or absent) weight, bias and stats of exact types (no subclass, no other object).
+    for t in (weight, bias, mean, var):
+        if t is not None and ((type(t) is not _Tensor and type(t) is not _Parameter) or t.dtype is not _F32):
+            return False
+    if not training or (mean is None and var is None):
+        return True
+    # In training, both stats, 1-D, of one shape, contiguous, with values, not requiring grad and on
+    # the input's device (so the guard's snapshot is one joined copy).
+    return not (
+        mean is None or var is None or mean.requires_grad or var.requires_grad or mean.dim() != 1
+        or var.shape != mean.shape or not mean.is_contiguous() or not var.is_contiguous() or mean.numel() == 0
+        or not _on_device_of(input, mean, var)
+    )
 
 
 def _any_16_bit(*tensors: Any) -> bool:
@@ -214,9 +183,10 @@ def _left_to_torch(call: Tuple[Any, ...]) -> bool:
     return False
 
 
-def _mixed(call: Tuple[Any, ...], dtype: torch.dtype) -> bool:
+def _mixed(call: Tuple[Any, ...]) -> bool:
     """Whether a tensor's dtype differs from the 16-bit input's: a mix torch's kernels reject outside
     autocast (half weight with FP32 stats, what ``model.half()`` leaves when the stats are kept FP32)."""
+    dtype = call[0].dtype
     return any(t is not None and getattr(t, "dtype", None) is not dtype for t in call[1:5])
 
 
@@ -237,3 +207,195 @@ def _left_by_keep_stats(call: Tuple[Any, ...], dtype: torch.dtype) -> bool:
         and (weight is None or weight.dtype is dtype)
         and (bias is None or bias.dtype is dtype)
     )
+
+
+# ---- The routes, in order: a predicate and a plan of a few lines each ----
+
+
+def _recorded(ask: Ask) -> bool:
+    return ask.policy != "off" and recorded_autocast_dtype(ask.device_type) is not None
+
+
+def _plan_recorded(ask: Ask) -> Decision:
+    # The input's dtype when the program runs is not known: ``input`` keeps what comes.
+    region = recorded_autocast_dtype(ask.device_type)
+    out = None if ask.policy == "input" else _out_dtype(ask.policy, ask.device_type, _F32, region)
+    return Plan(out, _guarded(ask), ask.policy, recorded=True)
+
+
+def _torchs(ask: Ask) -> bool:
+    """An FP32 input with nothing 16-bit next to it, or a call torch must see as it is: to reject
+    it, or to update the stats itself (:func:`_left_to_torch`)."""
+    call = ask.call
+    return (call[0].dtype is _F32 and not _any_16_bit(*call[1:5])) or _left_to_torch(call)
+
+
+def _off(ask: Ask) -> bool:
+    return ask.policy == "off"
+
+
+def _plan_off(ask: Ask) -> Decision:
+    # What torch's kernels reject (FP32 stats kept next to 16-bit weights) is computed anyway.
+    dtype = ask.call[0].dtype
+    return Plan(dtype, False, "input") if _left_by_keep_stats(ask.call, dtype) else None
+
+
+def _autocast(ask: Ask) -> bool:
+    return autocast_enabled(ask.device_type)
+
+
+def _plan_autocast(ask: Ask) -> Decision:
+    out = _out_dtype(ask.policy, ask.device_type, ask.call[0].dtype)
+    return Plan(out, _guarded(ask), ask.policy, _has_master(ask), _is_plain(ask))
+
+
+def _fp32_input(ask: Ask) -> bool:  # outside autocast such a mix keeps torch's own error
+    return ask.call[0].dtype is _F32
+
+
+def _mixed_dtypes(ask: Ask) -> bool:
+    return _mixed(ask.call)
+
+
+def _plan_mixed(ask: Ask) -> Decision:
+    # A mix torch's kernels reject outside autocast gets FP32 arithmetic, the input's dtype out.
+    return Plan(ask.call[0].dtype, _guarded(ask), "input", _has_master(ask))
+
+
+def _master_update(ask: Ask) -> bool:
+    return bool(ask.call[5]) and _has_master(ask)
+
+
+def _plan_master_update(ask: Ask) -> Decision:
+    # torch's own output, and the batch's FP32 statistics for the master.
+    return Plan(ask.call[0].dtype, _guarded(ask), "input", True, torch_output=True)
+
+
+def _plan_master_eval(ask: Ask) -> Decision:
+    # Read only where float16 buffers overflowed that the master holds finite.
+    return Deferred(Plan(ask.call[0].dtype, _guarded(ask), "input", True), _master.holds_more)
+
+
+def _none(ask: Ask) -> Decision:
+    return None
+
+
+class Route(NamedTuple):
+    name: str
+    applies: Callable[[Ask], bool]
+    decide: Callable[[Ask], Decision]
+
+
+# The decision, first match wins; a call no route takes is torch's. Outside autocast the caller chose
+# half precision, and the output is torch's own: a call torch computes as it is gets torch's kernel,
+# and a master its FP32 update.
+ROUTES = (
+    Route("strict export's recorded region", _recorded, _plan_recorded),
+    Route("torch's own", _torchs, _none),
+    Route("policy off", _off, _plan_off),
+    Route("autocast", _autocast, _plan_autocast),
+    Route("an FP32 input outside autocast", _fp32_input, _none),
+    Route("mixed dtypes", _mixed_dtypes, _plan_mixed),
+    Route("a master's update", _master_update, _plan_master_update),
+    Route("a master's eval", _has_master, _plan_master_eval),
+)
+
+
+def considered(call: Tuple[Any, ...]) -> bool:
+    """The test every call pays: whether ``call`` may be the shim's at all."""
+    input, mean, var, weight, bias = call[:5]
+    dtype = getattr(input, "dtype", None)
+    return dtype is _F16 or dtype is _BF16 or (
+        dtype is _F32 and (function_mode_enabled() or _any_16_bit(mean, var, weight, bias)))
+
+
+def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
+    """The plan for ``call`` (``F.batch_norm``'s eight arguments), or ``None`` when torch computes it.
+
+    ``guard`` False: the running stats are not the caller's to guard (InstanceNorm's per-sample
+    copies, whose average the door guards). The table's answer is kept for untraced calls with a
+    boolean ``training``; other calls walk it each time.
+    """
+    if not considered(call):
+        return None
+    input, mean, var, weight, bias, training = call[:6]
+    config = _state.config
+    found: Any = _MISSING
+    if (training is True or training is False) and untraced(input, mean, var, weight, bias):
+        device = input.device
+        device_type = device.type
+        policy = _state.policy(device_type, False)
+        key = _key(call, guard, policy, device, device_type)
+        if key is not None:
+            owner, memo = _memo
+            if owner is not config:
+                memo = _new_memo(config)
+            found = memo.get(key, _MISSING)
+            if found is _MISSING:
+                if len(memo) >= _MEMO_SIZE:  # calls of ever new shapes: start again rather than grow
+                    memo.clear()
+                found = memo[key] = decide(Ask(call, config, device_type, policy, guard, True))
+    if found is _MISSING:
+        device_type = input.device.type
+        found = decide(Ask(call, config, device_type, _state.policy(device_type), guard, False))
+    if type(found) is Deferred:
+        return found.plan if found.when(mean, var) else None
+    return found
+
+
+def decide(ask: Ask) -> Decision:
+    """Walk :data:`ROUTES`: the first route that applies decides; a call none takes is torch's."""
+    for route in ROUTES:
+        if route.applies(ask):
+            return route.decide(ask)
+    return None
+
+
+# ---- The memo: the table's answer by what the routes read ----
+
+_MISSING = object()
+_MEMO_SIZE = 4096
+# The answers under one settings object (replaced whole when they change: ``_state``).
+_memo: Tuple[Optional[Config], Dict[Tuple[Any, ...], Decision]] = (None, {})
+
+
+def _new_memo(config: Config) -> Dict[Tuple[Any, ...], Decision]:
+    """An empty memo for ``config``: answers made under other settings are not asked again."""
+    global _memo
+    memo: Dict[Tuple[Any, ...], Decision] = {}
+    _memo = (config, memo)
+    return memo
+
+
+def _key(call: Tuple[Any, ...], guard: bool, policy: str, device: torch.device,
+         device_type: str) -> Optional[Tuple[Any, ...]]:
+    """Everything the routes read of an untraced call with a boolean ``training``, as one flat tuple,
+    or None where a tensor is not one (a non-tensor argument: torch's error, decided each time).
+
+    The routes read each tensor's type and dtype, the input's device and number of dimensions;
+    autocast's state for the input's device and, under the ``autocast`` policy, its dtype; and for a
+    training call (an update) the stats' devices, shapes, strides (contiguity, elements that share
+    memory) and ``requires_grad``. The settings key the memo itself (:func:`_new_memo`).
+    """
+    input, mean, var, weight, bias, training = call[:6]
+    # Untraced: no torch.func transform, so autocast's own flag is the routes' ``autocast_enabled``.
+    autocast = _is_autocast_enabled(device_type) if device_type in _AUTOCAST_TYPES else autocast_enabled(device_type)
+    try:
+        key = (
+            guard, policy, training, autocast, autocast and policy == "autocast" and autocast_dtype(device_type),
+            type(input), input.dtype, device, input.dim(),
+            type(weight), None if weight is None else weight.dtype,
+            type(bias), None if bias is None else bias.dtype,
+            type(mean), None if mean is None else mean.dtype,
+            type(var), None if var is None else var.dtype,
+        )
+        if not training:  # the stats' layout, device and requires_grad matter to an update only
+            return key
+        return (
+            *key,
+            None if mean is None else (mean.device, mean.requires_grad, mean.shape, mean.stride()),
+            None if var is None else (var.device, var.requires_grad, var.shape, var.stride()),
+        )
+    except AttributeError:
+        return None
+

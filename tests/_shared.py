@@ -103,7 +103,7 @@ def guarded_update(mean: torch.Tensor, var: torch.Tensor, host: bool, kernel: An
     (plain eager mode, on the host or the device route)."""
     from amp_bn_fix import _guard
 
-    work_mean, work_var, token = _guard.begin(mean, var, True, True, host)
+    work_mean, work_var, token = _guard.begin(mean, var, guard=True, eager=True, host=host)
     try:
         return kernel(work_mean, work_var)
     finally:

@@ -1,13 +1,13 @@
-"""The common call's lane (the plan's early return, a ``plain`` plan) against the general questions.
+"""The common call: a ``plain`` plan, and the plan's memo.
 
 BatchNorm modules call ``F.batch_norm`` with eight arguments by position; when that call is the
-common one, the plan decides it in a few reads and marks it ``plain``, and ``_compute.run`` skips
-the questions such a call has settled. The same call planned as any other (``plain`` off, the
-``general`` runs here) must give the same output, gradients, running stats and record, bit for bit,
-on every route; so must the same call spelled with keywords.
+common one, the plan marks it ``plain``, and ``_compute.run`` and the guard skip the questions such a
+call has settled. The same call planned as any other (``plain`` off, the ``general`` runs here) must
+give the same output, gradients, running stats and record, bit for bit, on every route; so must the
+same call spelled with keywords.
 
-The plan's second early return, a half model's eval call outside autocast, must make the plan the
-general questions make, across every setting (the last section).
+The plan keeps the table's answer for untraced calls: whatever it kept, each call's plan must be
+the one the table makes for it (the last section).
 """
 
 import contextlib
@@ -24,7 +24,7 @@ import wrapt
 
 import amp_bn_fix
 from _shared import SUBPROCESS_TIMEOUT, child_env
-from amp_bn_fix import _compute, _doors, _master, _plan, _record, _state, _tuning
+from amp_bn_fix import _compat, _compute, _doors, _master, _plan, _record, _state
 
 NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 # The calls' tests on the CPU's route (its guard both ways) and on the route a CUDA call takes (see conftest).
@@ -347,15 +347,7 @@ def test_an_fp32_input_under_a_default_device_mode_is_torchs(lane_calls, by_keyw
     assert out.dtype is torch.float32
 
 
-# ---- The half model's eval lane: an eval call outside autocast, every tensor in the input's dtype ----
-
-
-def _planned_in_full(call):
-    """The plan of ``call`` made by the general questions, past the half model's eval lane (which a
-    TorchFunctionMode keeps closed; none is active, and the questions below it ask torch's own state)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_plan, "function_mode_enabled", lambda: True)
-        return _plan.plan(call)
+# ---- The plan's memo: the table's answer, kept by what the routes read ----
 
 
 def _half_bn(dtype, state):
@@ -377,42 +369,73 @@ CALL_FORMS = {
     "affine=False": lambda bn, x: (x, bn.running_mean, bn.running_var, None, None),
     "FP32 weight": lambda bn, x: (x, bn.running_mean, bn.running_var, bn.weight.float(), bn.bias),
     "FP32 stats": lambda bn, x: (x, bn.running_mean.float(), bn.running_var.float(), bn.weight, bn.bias),
+    "FP32 model": lambda bn, x: (x, bn.running_mean.float(), bn.running_var.float(), bn.weight.float(),
+                                 bn.bias.float()),
     "no stats": lambda bn, x: (x, None, None, bn.weight, bn.bias),
     "FP32 input": lambda bn, x: (x.float(), bn.running_mean, bn.running_var, bn.weight, bn.bias),
 }
 
 
+def _calls(dtype):
+    """Calls that differ in one fact each: every form of a half and an FP32 BatchNorm's call, each
+    state of a master, training and eval, and each reason a call is not the common one."""
+    calls = []
+    for state in ["no master", "master", "overflowed"]:
+        if state == "overflowed" and dtype is torch.bfloat16:
+            continue  # bfloat16 holds any variance these inputs give
+        bn = _half_bn(dtype, state)
+        x = torch.randn(4, 6, 3, 3).to(dtype)
+        for form in CALL_FORMS.values():
+            calls += [(*form(bn, x), training, 0.1, 1e-5) for training in (False, True)]
+    for change in [lambda args: None, *NOT_COMMON.values()]:  # the common call, and each way it is not
+        args = _common_args()
+        args[0] = args[0].to(dtype)
+        change(args)
+        calls.append(tuple(args))
+    return calls
+
+
+def _walked(call):
+    """The table walked afresh for ``call``, as for any untraced call (no memo)."""
+    device_type = call[0].device.type
+    found = _plan.decide(_plan.Ask(call, _state.config, device_type, _state.policy(device_type), True,
+                                   _compat.untraced(*call[:5])))
+    if isinstance(found, _plan.Deferred):
+        return found.plan if found.when(call[1], call[2]) else None
+    return found
+
+
 @both_routes
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("state", ["no master", "master", "overflowed"])
-@pytest.mark.parametrize("form", list(CALL_FORMS))
-def test_half_model_eval_lane_equals_full_decision(dtype, state, form, monkeypatch):
-    """Every setting, in and out of autocast, in eval and training: the plan with the lane is the
-    plan the general questions make (the lane decides only what they would)."""
-    if state == "overflowed" and dtype is torch.bfloat16:
-        pytest.skip("bfloat16 holds any variance these inputs give")
-    bn = _half_bn(dtype, state)
-    x = torch.randn(4, 6, 3, 3).to(dtype)
-    tensors = CALL_FORMS[form](bn, x)
-    # The general questions start with the policy; the lane decides before it.
-    asked = []
-    policy_of = _state.policy
-    monkeypatch.setattr(_state, "policy", lambda *args: asked.append(1) or policy_of(*args))
-    in_lane = []
-    for policy, keep_fp32, devices, autocast, training in itertools.product(
-            POLICIES, ["master", "none"], [None, ["cuda"]], [False, True], [False, True]):
-        call = (*tensors, training, 0.1, 1e-5)
-        with amp_bn_fix.configure(policy=policy, keep_fp32=keep_fp32, devices=devices), \
-                torch.autocast("cpu", dtype=dtype, enabled=autocast):
-            asked.clear()
-            planned = _plan.plan(call)
-            if not asked:
-                in_lane.append((policy, keep_fp32, autocast, training))
-            full = _planned_in_full(call)
-        assert planned == full, (policy, keep_fp32, devices, autocast, training)
-    # Only eval calls outside autocast of the forms the lane is for take it: all of them, but a
-    # float16 master beyond the buffers' range on the host route under keep_fp32="master".
-    reads_master = state == "overflowed" and _tuning.host_route(x)
-    expected = [(policy, keep_fp32, False, False) for policy in POLICIES for keep_fp32 in ["master", "none"]
-                if not (reads_master and keep_fp32 == "master")] * 2
-    assert sorted(in_lane) == (sorted(expected) if form in ("half model", "affine=False") else [])
+@pytest.mark.parametrize("keep_fp32", ["master", "none"])
+def test_the_memo_answers_as_the_table(dtype, keep_fp32):
+    """Whatever the memo saw before, the plan of each call is the table's for that call: the memo's
+    key holds every fact a route reads (a fact left out would give two of these calls one answer).
+    Every policy and autocast on and off, in both orders."""
+    calls = _calls(dtype)
+    with amp_bn_fix.configure(keep_fp32=keep_fp32):
+        for order in (calls, calls[::-1]):
+            for policy, autocast in itertools.product(POLICIES, [False, True]):
+                with amp_bn_fix.policy(policy), torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                    for call in order:
+                        if _plan.considered(call):
+                            assert _plan.plan(call) == _walked(call), (policy, autocast, call)
+
+
+def test_the_memo_follows_the_settings():
+    """A change of settings is a new memo: the guard's setting reaches the next plan."""
+    args = tuple(_common_args())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _plan.plan(args).guard
+        with amp_bn_fix.configure(guard=False):
+            assert not _plan.plan(args).guard
+        assert _plan.plan(args).guard
+
+
+def test_the_memo_stays_bounded(monkeypatch):
+    monkeypatch.setattr(_plan, "_MEMO_SIZE", 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for channels in range(1, 40):
+            x = _bf16(4, channels, 3)
+            assert _plan.plan((x, torch.zeros(channels), torch.ones(channels), None, None, True, 0.1, 1e-5)).plain
+    assert len(_plan._memo[1]) <= 8
