@@ -129,19 +129,43 @@ def add_run_parser(commands: "argparse._SubParsersAction[argparse.ArgumentParser
         "run",
         usage=f"{PROG} run [-h] {usage} -- CMD [ARGS...]",
         help="run a command with the shim enabled in all of its Python processes",
-        description="Run CMD with AMP_BN_FIX=1 and a start-up hook on PYTHONPATH, so that every "
-        "Python process it starts (torchrun workers included) enables the shim when it imports torch.",
+        # Lines broken by hand: the formatter keeps them as written, for the policy table below.
+        description="Run CMD with AMP_BN_FIX=1 and a start-up hook on PYTHONPATH, so that every Python\n"
+        "process it starts (torchrun workers included) enables the shim when it imports torch.",
+        epilog=_policy_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    defaults = settings.Config()
     for setting in _run_options():
         if setting.switch:
             parser.add_argument(setting.option, dest=setting.name, action="store_const", const="1",
                                 help=f"{setting.doc}; sets {setting.env}=1")
         else:
+            default = f" (default {defaults.describe(setting.name)})" if setting.scope == "config" else ""
             parser.add_argument(setting.option, dest=setting.name, type=_option_type(setting), metavar=_metavar(setting),
-                                help=f"{setting.doc}: {setting.allowed}; sets {setting.env}")
+                                help=f"{setting.doc}: {setting.allowed}{default}; sets {setting.env}")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
     parser.set_defaults(func=lambda args: run(parser, args))
     return parser
+
+
+# What each policy costs on CUDA against native autocast, as the kernel count predicts it for a large
+# 16-bit BatchNorm2d (docs/performance.md): one line each for run --help, where the policy is picked.
+POLICY_COSTS = {
+    "fp32": "float32 out; 1.33x native BatchNorm's bytes forward, 2.5x with backward; FP32 activations after it",
+    "input": "the input's dtype out, FP32 statistics and the guard; native BatchNorm's bytes",
+    "autocast": "autocast's dtype out; otherwise as input",
+    "off": "every call left to torch: native autocast",
+}
+
+
+def _policy_epilog() -> str:
+    default = settings.Config().policy
+    width = max(map(len, POLICY_COSTS)) + 2
+    lines = [f"policies (--policy; default {default}), with their CUDA cost as predicted by a count,\n"
+             "not yet measured on a GPU (docs/performance.md):"]
+    lines += [f"  {name.ljust(width)}{cost}" for name, cost in POLICY_COSTS.items()]
+    return "\n".join(lines)
 
 
 def _metavar(setting: settings.Setting) -> str:

@@ -20,6 +20,20 @@ from . import _patch
 from ._demo import autocast_devices, cases, report_network
 
 
+# What has run where, said wherever a GPU user meets the package (README, FAQ, compatibility.md).
+# When a GPU run has happened, this says what it showed.
+GPU_STATUS = (
+    "amp_bn_fix has not run on a GPU yet: it is tested on CPU, where the route a CUDA call takes is "
+    "emulated (amp_bn_fix.testing.device_route()). tools/gpu_check.sh, run from a clone, checks this "
+    "machine in under 8 minutes; its CUDA costs per policy are predictions until then (docs/performance.md)."
+)
+
+
+def gpu_status() -> Optional[str]:
+    """The status line for a machine with CUDA, or None without it (a CPU user gets what was tested)."""
+    return GPU_STATUS if torch.cuda.is_available() else None
+
+
 class SelfTest(NamedTuple):
     device: str
     dtype: torch.dtype

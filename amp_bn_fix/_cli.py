@@ -81,6 +81,9 @@ def check(args: Optional[argparse.Namespace] = None) -> int:
     print("versions:")
     print(_indent(_fields(_check.versions())))
     print(f"\nautocast devices: {', '.join(_check.autocast_devices())}")
+    gpu = _check.gpu_status()
+    if gpu is not None:
+        print(f"\nGPU status: {gpu}")
     print("\nconfig:")
     print(_indent(_format_table(["setting", "value", "from"], [list(row) for row in _check.config_rows()])))
     if status.unknown:

@@ -178,3 +178,27 @@ def test_the_docs_give_no_other_spelling_of_check():
     found = {re.sub(r"^\S*python\S*", "python", match) for text in texts
              for match in re.findall(r"(?:\S*python\S* -m \w+|amp-bn-fix) check", text)}
     assert found <= {"python -m amp_bn_fix check", "amp-bn-fix check"}, found
+
+
+def test_check_states_what_has_run_on_a_gpu_where_cuda_is_present(capsys, monkeypatch):
+    # CUDA faked: the status line is the point; the self-test keeps to the CPU this machine has.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_check, "autocast_devices", lambda: ["cpu", "cuda"])
+    monkeypatch.setattr(_check, "cases", lambda: iter([("cpu", torch.bfloat16)]))
+    code, out = check(capsys)
+    assert code == 0
+    assert f"GPU status: {_check.GPU_STATUS}" in out
+    assert "has not run on a GPU yet" in out and "tools/gpu_check.sh" in out
+
+
+def test_check_says_nothing_about_gpus_without_cuda(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, out = check(capsys)
+    assert "GPU status" not in out
+
+
+def test_the_docs_state_the_gpu_status_check_prints():
+    # The same fact in every place a GPU user meets it; change them together when a GPU run happens.
+    for page in ("README.md", "docs/faq.md", "docs/README.md", "docs/compatibility.md", "CHANGELOG.md"):
+        text = " ".join((ROOT / page).read_text().split())
+        assert "not run on a GPU yet" in text, page

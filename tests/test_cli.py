@@ -160,3 +160,18 @@ def test_run_with_a_bad_switch_says_once_that_the_command_gets_the_shim():
     (line,) = result.stderr.splitlines()
     assert "AMP_BN_FIX='maybe' is not valid" in line and "the command runs with AMP_BN_FIX=1" in line
     assert "running without the shim" not in line
+
+
+def test_run_help_shows_the_default_policy_and_a_cost_per_policy(capsys):
+    with pytest.raises(SystemExit) as exited:
+        launcher.main(["run", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "autocast, off (default fp32)" in " ".join(out.split())
+    assert "policies (--policy; default fp32)" in out and "not yet measured on a GPU" in out
+    costs = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()[0] in POLICIES}
+    assert set(costs) == set(POLICIES)
+    assert "1.33x" in costs["fp32"] and "2.5x" in costs["fp32"]  # the count's figures (docs/performance.md)
+
+
+POLICIES = ("fp32", "input", "autocast", "off")

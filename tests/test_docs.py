@@ -10,8 +10,12 @@ yet: it must not be in the code, and once it is, the marker has to go.
 
 import argparse
 import doctest
+import os
 import pathlib
 import re
+import subprocess
+import sys
+import warnings
 
 import pytest
 
@@ -209,3 +213,42 @@ def test_the_error_lines_the_docs_quote_are_the_commands():
         (problem,) = settings.problems({variable: value})
         assert line.strip() == f"{cli.PROG}: error: {problem} (from the environment)"
 
+
+
+# ------------------------------------------------------------------------- code examples in pages
+
+# A Python block of a page, with what an HTML comment just before it gives: ``<!-- setup: CODE -->``
+# runs first (names a fragment leans on: a model, a batch), ``<!-- requires: MODULE -->`` skips the
+# block where that module is not installed.
+BLOCK = re.compile(r"(?:<!-- (setup|requires): (.*?) -->\n)?```python\n(.*?)```", flags=re.S)
+CODE_PAGES = [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def code_blocks():
+    for page in CODE_PAGES:
+        for number, (kind, value, code) in enumerate(BLOCK.findall(page.read_text())):
+            yield pytest.param(kind, value, code, id=f"{page.relative_to(ROOT)}:{number}")
+
+
+@pytest.mark.parametrize("kind, value, code", list(code_blocks()))
+def test_every_python_example_in_the_pages_runs(kind, value, code, saved_settings, capsys):
+    if kind == "requires":
+        pytest.importorskip(value)
+    namespace = {"__name__": "__doc_example__"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CUDA examples on a machine without CUDA warn and run on CPU
+        if kind == "setup":
+            exec(compile(value, "<setup>", "exec"), namespace)
+        exec(compile(code, "<example>", "exec"), namespace)
+
+
+def test_the_examples_print_what_the_pages_say():
+    # The outputs quoted in comments, for the examples whose output is stated exactly.
+    for page, number, expected in [("README.md", 0, "[torch.bfloat16, torch.float32, torch.bfloat16]"),
+                                   ("docs/see-it-work.md", 0, "{'1': torch.float32}"),
+                                   ("docs/see-it-work.md", 1, "0 3 {}\n1 3 {'1': 1}")]:
+        code = BLOCK.findall((ROOT / page).read_text())[number][2]
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                              env={k: v for k, v in os.environ.items() if not k.startswith("AMP_BN_FIX")})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == expected, (page, number, done.stdout)

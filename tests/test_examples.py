@@ -91,3 +91,45 @@ def test_torchrun_ddp_enabled_by_the_environment_only(run_torchrun):
     assert len(rows) == 2, out
     for rank, state, bn_out, stats, finite, _ in rows:
         assert (state, bn_out, stats, finite) == ("on, policy fp32", "float32", "float32", "yes"), out
+
+
+def run_see_it_work(*args: str, **env: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, str(EXAMPLES / "see_it_work.py"), *args], capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT, env=child_env(**env))
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def epochs(out: str) -> List[str]:
+    return [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("epoch ")]
+
+
+def test_see_it_work_shows_the_dtypes_the_epochs_and_the_exit_line():
+    # docs/see-it-work.md quotes these lines.
+    done = run_see_it_work(AMP_BN_FIX_REPORT="1")
+    assert "BatchNorm output dtypes: {'1': 'float32', '4': 'float32'}" in done.stdout
+    assert epochs(done.stdout) == ["BatchNorm calls handled 8, guard skips none",
+                                   "BatchNorm calls handled 8, guard skips {'1': 1, '4': 1}",
+                                   "BatchNorm calls handled 8, guard skips none"]
+    assert "running stats finite: yes" in done.stdout
+    assert "RuntimeWarning: amp_bn_fix: the guard left the running stats of 16 channels" in done.stderr
+    assert done.stderr.splitlines()[-1] == ("amp_bn_fix: calls handled: 24 fp32; passed through: 0; "
+                                            "guard skips: 2 (2 in running stats no longer alive)")
+
+
+def test_see_it_work_with_the_input_policy_returns_bfloat16():
+    done = run_see_it_work(AMP_BN_FIX_POLICY="input")
+    assert "BatchNorm output dtypes: {'1': 'bfloat16', '4': 'bfloat16'}" in done.stdout
+
+
+def test_see_it_work_on_the_cuda_route_skips_silently_until_report():
+    done = run_see_it_work("--route", "device")
+    assert epochs(done.stdout)[1] == "BatchNorm calls handled 8, guard skips {'1': 1, '4': 1}"
+    assert "RuntimeWarning" not in done.stderr
+
+
+def test_see_it_work_compiled_counts_what_was_traced():
+    done = run_see_it_work("--compile", "aot_eager")
+    lines = epochs(done.stdout)
+    assert lines[0].startswith("BatchNorm calls handled") and lines[1:] == ["BatchNorm calls handled 0, guard skips none"] * 2
+    assert "running stats finite: yes" in done.stdout  # the guard ran in the compiled code, uncounted
