@@ -29,8 +29,9 @@ from _bounds import assert_within, same_computation_bound
 from _shared import ORIGINAL
 from amp_bn_fix import _patch
 
-# torch's forward-mode AD scripts its decompositions when it first needs them (torch.jit.script warns).
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+# torch's forward-mode AD scripts its decompositions when it first needs them (torch.jit.script warns:
+# DeprecationWarning, FutureWarning from torch 2.15).
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 
 F32 = torch.float32
 HALF = (torch.float16, torch.bfloat16)
