@@ -29,9 +29,6 @@ _forward_ad = torch.autograd.forward_ad
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 _functorch = torch._C._functorch
 _batched, _legacy_batched = _functorch.is_batchedtensor, _functorch.is_legacy_batchedtensor
-# The torch.func transforms in effect, outermost first (before torch 2.5 at least: the innermost).
-_interpreter_stack = getattr(_functorch, "get_interpreter_stack", None)
-_VMAP = _functorch.TransformType.Vmap
 # Whether any TorchFunctionMode is active (strict export's, torch.set_default_device's...): one C call.
 function_mode_enabled = _function_mode_enabled
 _DispatchKey = torch._C.DispatchKey
@@ -55,19 +52,15 @@ def is_batched(t: torch.Tensor) -> bool:
 
 
 def autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is in effect for ``device_type``: on, and not under ``torch.func.vmap``.
+    """Whether autocast is on for ``device_type``: ``torch.is_autocast_enabled``, read as it is under
+    every ``torch.func`` transform too.
 
-    Under vmap (at any level) autocast casts nothing, though ``torch.is_autocast_enabled`` still
-    reads true; under ``grad``, ``jacrev`` and ``functional_call`` it casts as outside them.
+    Under ``vmap`` whether autocast casts an op depends on the op's batching rule and on what is
+    batched (a batched Linear's output stays FP32; under ``jacfwd`` only the tangents are batched,
+    and a convolution's primal is cast as outside it): the call's input dtype says which it did.
     False for device types autocast does not know.
     """
-    return (_is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-            and not (_functorch_active() and _under_vmap()))
-
-
-def _under_vmap() -> bool:
-    stack = _interpreter_stack() if _interpreter_stack is not None else [_functorch.peek_interpreter_stack()]
-    return any(interpreter is not None and interpreter.key() == _VMAP for interpreter in stack or ())
+    return _is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype:
