@@ -6,7 +6,7 @@ options, ``amp-bn-fix check`` and ``amp_bn_fix.configure`` all derive from it.
 
 This module imports neither torch nor wrapt, so the start-up hook and the command line validate
 the environment before anything heavy is loaded, with the very code the package uses. It holds no
-global state: :func:`from_env` returns a fresh :class:`Config` and the runtime (``amp_bn_fix._patch``)
+global state: :func:`from_env` returns a fresh :class:`Config` and the runtime (``amp_bn_fix._config``)
 decides what to do with it. Every problem is a ``ValueError`` naming the bad value and the allowed ones.
 """
 

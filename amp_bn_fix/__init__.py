@@ -33,7 +33,6 @@ A bad value makes the import raise ``ValueError``. :func:`configure` changes the
 import atexit as _atexit
 import contextlib as _contextlib
 import sys as _sys
-import threading as _threading
 import warnings as _warnings
 from typing import Any, Dict, Iterable, Iterator, Optional, Union
 
@@ -44,7 +43,7 @@ from _amp_bn_fix_boot.settings import Config, PolicyName
 from _amp_bn_fix_boot.settings import DeviceType as _DeviceType
 from _amp_bn_fix_boot.settings import KeepMode as _KeepMode
 
-from . import _patch, _record, _state
+from . import _config, _patch, _record, _state
 
 __all__ = [
     "Config",
@@ -60,9 +59,6 @@ __all__ = [
     "report",
     "set_policy",
 ]
-
-# configure() and set_policy() read, change and write the settings: one at a time.
-_lock = _threading.Lock()
 
 
 def enable(policy: Optional[PolicyName] = None) -> None:
@@ -187,7 +183,7 @@ def policy(name: PolicyName) -> Iterator[None]:
         ...     bn(x).dtype
         torch.bfloat16
     """
-    with _patch.scoped_policy(_settings.check_policy(name)):
+    with _config.scoped_policy(_settings.check_policy(name)):
         yield
 
 
@@ -216,8 +212,7 @@ class _PreviousSettings(dict):
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        with _lock:
-            _patch.configure(self.config)
+        _config.configure(self.config)
 
 
 def configure(
@@ -284,11 +279,7 @@ def configure(
         for name in _settings.CONFIG_NAMES
         if given[name] is not _UNCHANGED
     }
-    with _lock:
-        previous = _patch.current_config()
-        if changes:
-            _patch.configure(previous.replace("API", **changes))
-    return _PreviousSettings(previous)
+    return _PreviousSettings(_config.change(**changes))
 
 
 def get_config() -> Config:
@@ -311,7 +302,7 @@ def get_config() -> Config:
         >>> sorted(config.sources)
         ['devices', 'guard', 'keep_fp32', 'policy']
     """
-    return _patch.current_config()
+    return _state.config
 
 
 def report(model: Optional[_torch.nn.Module] = None) -> Dict[str, Any]:
@@ -374,7 +365,7 @@ def _start() -> None:
         if _imported_to_run_the_command():
             return  # the command reports it, and enables nothing
         raise
-    _patch.configure(config)
+    _config.configure(config)
     if report_at_exit:
         _atexit.register(_record.print_summary)
     unknown = _settings.unknown_names()

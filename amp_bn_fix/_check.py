@@ -16,7 +16,7 @@ import wrapt
 from _amp_bn_fix_boot import settings
 from _amp_bn_fix_boot._version import __version__
 
-from . import _patch
+from . import _patch, _state
 from ._demo import autocast_devices, cases, report_network
 
 
@@ -79,7 +79,7 @@ def versions() -> List[Tuple[str, str]]:
 
 def config_rows() -> List[Tuple[str, str, str]]:
     """(setting, value, where it came from: default / env / API) for the effective config."""
-    config = _patch.current_config()
+    config = _state.config
     return [(name, config.describe(name), config.sources[name]) for name in settings.CONFIG_NAMES]
 
 
@@ -91,7 +91,7 @@ def self_test(device: str, dtype: torch.dtype) -> SelfTest:
     reference computed from the same 16-bit input, and the running stats stay float32 and match
     the reference update. Runs with the patch installed; leaves it as it found it.
     """
-    config = _patch.current_config()
+    config = _state.config
     try:
         with _patch.installed():
             return _report_case(device, dtype, config)

@@ -45,25 +45,21 @@ class _RunInScopes:
     raises (non-reentrant checkpointing stops a recompute by raising out of it).
     """
 
-    __slots__ = ("function", "scopes", "policy")
+    __slots__ = ("function", "scopes")
 
     def __init__(self, function: Callable[..., Any], scopes: Tuple[_state.Scope, ...]) -> None:
         self.function = function
         self.scopes = scopes
-        self.policy = scopes[-1].policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        thread = _state.thread
-        token = _state.scopes.set(self.scopes)
-        mirrored, thread.compiled_policy = thread.compiled_policy, self.policy
+        token = _state.swap_scopes(self.scopes)
         try:
             return self.function(*args, **kwargs)
         finally:
-            thread.compiled_policy = mirrored
-            _state.scopes.reset(token)
+            _state.restore_scopes(token)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.policy or 'process-wide'!r} of {self.function!r}>"
+        return f"<{type(self).__name__} {self.scopes[-1].policy or 'process-wide'!r} of {self.function!r}>"
 
 
 def _in_open_scopes(function: Any) -> Any:

@@ -28,7 +28,7 @@ def demo(args: Optional[argparse.Namespace] = None) -> int:
     """Each layer's output dtype under autocast without and with the shim; 1 when one is not as expected."""
     policy = _state.policy()
     print(f"{REPORT[0].upper() + REPORT[1:]}: Linear(4,4) -> BatchNorm1d(4) -> Linear(4,5) under autocast")
-    print(f"amp_bn_fix policy: {policy} (from {_patch.current_config().sources['policy']})\n")
+    print(f"amp_bn_fix policy: {policy} (from {_state.config.sources['policy']})\n")
     rows: List[_demo.DemoRow] = [row for device, dtype in _demo.cases() for row in _demo.report_rows(device, dtype)]
     name = _check.dtype_name
     table = [[r.device, name(r.autocast_dtype), r.layer, name(r.without), name(r.with_shim), name(r.expected)] for r in rows]

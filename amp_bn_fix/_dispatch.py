@@ -14,9 +14,8 @@ wrapper (``_doors``). Outside autocast the key is excluded, so the kernels are n
 
 from __future__ import annotations
 
-import threading
 import warnings
-from typing import Any, List, Optional, Set, Tuple
+from typing import Any, List, Literal, Optional, Set, Tuple
 
 import torch
 
@@ -27,17 +26,13 @@ from . import _compat, _doors
 DEVICE_TYPES = ("cpu", "cuda", "xpu")
 KEYS = tuple(_compat.AUTOCAST_KEYS[t].name for t in DEVICE_TYPES if t in _compat.AUTOCAST_KEYS)
 
-_lock = threading.Lock()
 # The registration, kept across ``importlib.reload`` of this module (IPython's autoreload: the
 # module's namespace is reused), so that a reload leaves one: a Library that is garbage-collected
-# removes its kernels without a word.
+# removes its kernels without a word. In the module's namespace, not on a ``DispatchPatch``: every
+# incarnation of the class, and whichever of them ``_patch`` holds, reads the same one.
 _library: Optional[torch.library.Library] = globals().get("_library")
 _keys: Tuple[str, ...] = globals().get("_keys", ())
 _warned_keys: Set[Tuple[str, str]] = globals().get("_warned_keys", set())
-
-
-def is_registered() -> bool:
-    return _library is not None
 
 
 def registered_keys() -> Tuple[str, ...]:
@@ -50,15 +45,23 @@ def describe() -> str:
     return "+".join(key[len("Autocast"):].lower() for key in _keys) or "none"
 
 
-def register() -> bool:
-    """Register the kernels at every key of ``KEYS`` that torch leaves to autocast's fallthrough.
+class DispatchPatch:
+    """The dispatcher door as a patch: our kernels, registered in one ``torch.library.Library``.
 
-    Returns False when they were registered already (or no key was free).
+    ``_patch.install`` applies it when not applied and ``_patch.uninstall`` removes it, both under
+    the state's lock.
     """
-    global _library, _keys
-    with _lock:
-        if _library is not None:
-            return False
+
+    @property
+    def applied(self) -> bool:
+        return _library is not None
+
+    def apply(self) -> bool:
+        """Register the kernels at every key of ``KEYS`` that torch leaves to autocast's fallthrough.
+
+        Returns False when no key was free.
+        """
+        global _library, _keys
         plan: List[Tuple[str, str, Any]] = []
         for device_type in DEVICE_TYPES:
             key = _compat.AUTOCAST_KEYS.get(device_type)
@@ -87,16 +90,18 @@ def register() -> bool:
         _keys = tuple(dict.fromkeys(key for _, key, _ in plan if key.startswith("Autocast")))
         return True
 
-
-def unregister() -> bool:
-    """Remove the kernels; False when none were registered."""
-    global _library, _keys
-    with _lock:
+    def remove(self) -> Literal["nothing", "all"]:
+        """Remove the kernels: ``"nothing"`` when none were registered."""
+        global _library, _keys
         library, _library, _keys = _library, None, ()
         if library is None:
-            return False
+            return "nothing"
         library._destroy()
-        return True
+        return "all"
+
+
+# The dispatcher door in ``_patch``'s list of patches.
+PATCH = DispatchPatch()
 
 
 def _free(op: str, key: str) -> bool:

@@ -1,7 +1,10 @@
 """The state every door reads: the settings in force, the policy scopes, and this thread's flag.
 
 Below every other module of the package (it imports none of them), so each door, the plan and the
-public API share one copy. Writers: ``_patch`` (settings, scopes, whether the wrappers are in place).
+public API share one copy. Writers of the process-wide state: ``_config`` (the settings), ``_patch``
+(whether the patches are in place) and ``testing`` (the device route), each holding :data:`lock`.
+The scopes belong to a context, and change only through :func:`swap_scopes` and
+:func:`restore_scopes` (``_config``, ``_checkpoint``).
 """
 
 from __future__ import annotations
@@ -13,9 +16,13 @@ from typing import Optional, Set, Tuple
 import torch
 from _amp_bn_fix_boot.settings import Config
 
+# Held by every writer of the process-wide state below (installing and removing the patches, the
+# settings, the device route): one at a time. Reentrant: a read-change-write of the settings holds
+# it around the write, which takes it too.
+lock = threading.RLock()
 # The settings in force: replaced whole (one assignment, so a reader sees old or new), never changed.
 config = Config()
-# Whether the shim's wrappers are in place: a reference to a wrapper kept after ``disable()`` only
+# Whether the shim's patches are in place: a reference to a wrapper kept after ``disable()`` only
 # forwards to torch.
 active = False
 # Set by ``amp_bn_fix.testing.device_route()``, process-wide: CPU calls take the route a CUDA call
@@ -53,7 +60,28 @@ class Scope:
 # is never changed under another's feet; scopes leave by identity, so blocks exited out of order
 # (generators consumed alternately) leave nothing behind.
 scopes: contextvars.ContextVar[Tuple[Scope, ...]] = contextvars.ContextVar("amp_bn_fix_scopes", default=())
-# The policies torch.compile has compiled batch-norm calls under (``_patch.scoped_policy`` warns
+# What ``restore_scopes`` puts back: the variable's token and this thread's mirror before the swap.
+ScopesToken = Tuple["contextvars.Token[Tuple[Scope, ...]]", Optional[str]]
+
+
+def swap_scopes(open_scopes: Tuple[Scope, ...]) -> ScopesToken:
+    """Make ``open_scopes`` this context's open scopes (innermost last), and mirror their policy
+    into ``thread.compiled_policy`` for code dynamo traces; returns what undoes both.
+
+    The scopes' one writer, so the variable and its mirror change together.
+    """
+    mirrored = thread.compiled_policy
+    thread.compiled_policy = open_scopes[-1].policy if open_scopes else None
+    return scopes.set(open_scopes), mirrored
+
+
+def restore_scopes(token: ScopesToken) -> None:
+    """Put back the scopes and their mirror as they were before the ``swap_scopes`` that returned ``token``."""
+    variable_token, thread.compiled_policy = token
+    scopes.reset(variable_token)
+
+
+# The policies torch.compile has compiled batch-norm calls under (``_config.scoped_policy`` warns
 # when a scope asks for another one).
 compiled_policies: Set[str] = set()
 _is_dynamo_tracing = torch.compiler.is_dynamo_compiling

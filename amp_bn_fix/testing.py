@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -35,7 +34,7 @@ from . import _state
 
 __all__ = ["device_route", "count_kernels", "kept_for_backward", "Kernel", "Traffic"]
 
-_lock = threading.Lock()
+# How many device_route() blocks are open, in every thread (changed under the state's lock).
 _depth = 0
 
 
@@ -57,13 +56,13 @@ def device_route() -> Iterator[None]:
         torch.float32
     """
     global _depth
-    with _lock:
+    with _state.lock:
         _depth += 1
         _state.device_route = True
     try:
         yield
     finally:
-        with _lock:
+        with _state.lock:
             _depth -= 1
             _state.device_route = _depth > 0
 

@@ -13,7 +13,7 @@ for _name in [n for n in os.environ if n.startswith("AMP_BN_FIX")]:
     del os.environ[_name]
 
 import amp_bn_fix  # noqa: E402
-from amp_bn_fix import _patch  # noqa: E402
+from amp_bn_fix import _config, _patch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -72,11 +72,11 @@ def shim_decides_nothing(monkeypatch):
 def default_shim():
     # The defaults with "default" as their source (amp_bn_fix.configure would record "API"),
     # which the tests of get_config().sources and of amp-bn-fix check expect.
-    _patch.configure(amp_bn_fix.Config())
+    _config.configure(amp_bn_fix.Config())
     _patch.install()
     yield
-    _patch.set_scopes(())
-    _patch.configure(amp_bn_fix.Config())
+    _config.set_scopes(())
+    _config.configure(amp_bn_fix.Config())
     _patch.install()
 
 

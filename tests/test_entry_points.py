@@ -544,7 +544,7 @@ def python_kernel_at(key: str, op: str = "batch_norm") -> bool:
 
 
 def test_the_kernels_sit_at_the_cpu_cuda_xpu_autocast_keys_never_at_mps():
-    assert _dispatch.is_registered() and amp_bn_fix.is_enabled()
+    assert _dispatch.PATCH.applied and amp_bn_fix.is_enabled()
     assert _dispatch.registered_keys() == ("AutocastCPU", "AutocastCUDA", "AutocastXPU")
     for key in _dispatch.registered_keys():
         assert python_kernel_at(key) and python_kernel_at(key, "instance_norm")
@@ -599,15 +599,15 @@ def no_kernel_left() -> bool:
 
 def test_disable_removes_the_kernels_and_enable_registers_them_again():
     amp_bn_fix.disable()
-    assert not amp_bn_fix.is_enabled() and not _dispatch.is_registered() and no_kernel_left()
+    assert not amp_bn_fix.is_enabled() and not _dispatch.PATCH.applied and no_kernel_left()
     assert direct_dtype() is torch.bfloat16 and direct_dtype("instance_norm") is torch.bfloat16
     amp_bn_fix.enable()
-    assert _dispatch.is_registered() and direct_dtype() is torch.float32
+    assert _dispatch.PATCH.applied and direct_dtype() is torch.float32
     with _patch.uninstalled():
         assert no_kernel_left() and direct_dtype() is torch.bfloat16
     assert direct_dtype("instance_norm") is torch.float32
     # A door removed on its own: install() completes the shim again.
-    _dispatch.unregister()
+    _dispatch.PATCH.remove()
     assert amp_bn_fix.is_enabled() and direct_dtype() is torch.bfloat16
     assert _patch.install() and direct_dtype() is torch.float32
 
@@ -695,7 +695,7 @@ def test_compiled(name, policy):
     assert_near(stats.running_var, var64, n, what="running var")
     if name == "torch.batch_norm" and policy == "fp32":
         # Compiled code keeps the kernel's computation until torch.compiler.reset(): disable() resets.
-        _dispatch.unregister()
+        _dispatch.PATCH.remove()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert compiled(*args).dtype is torch.float32
         _patch.install()

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 import amp_bn_fix
 from _bounds import assert_near, assert_within, rounding_bound, same_computation_bound
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env, compare_outcomes, outcome
-from amp_bn_fix import _doors, _patch, _plan
+from amp_bn_fix import _config, _doors, _patch, _plan
 
 
 
@@ -95,15 +95,12 @@ def test_a_wrapper_that_cannot_be_removed_stays_active_and_the_rest_come_back():
 
 def test_an_install_failing_part_way_leaves_nothing_untracked(monkeypatch):
     amp_bn_fix.disable()
-    targets = _patch._targets
-
-    def failing_targets():
-        return [*targets()[:1], (nn.functional, "no_such_function", lambda *a: None)]
-
-    monkeypatch.setattr(_patch, "_targets", failing_targets)
+    patches = _patch.PATCHES
+    failing = _patch.WraptPatch(nn.functional, "no_such_function", lambda *a: None)
+    monkeypatch.setattr(_patch, "PATCHES", (*patches[:1], failing))
     with pytest.raises(AttributeError, match="no_such_function"):
         amp_bn_fix.enable()
-    monkeypatch.setattr(_patch, "_targets", targets)
+    monkeypatch.setattr(_patch, "PATCHES", patches)
     amp_bn_fix.enable()
     assert F.batch_norm.__wrapped__ is ORIGINAL  # completed, not wrapped twice
     amp_bn_fix.disable()
@@ -489,7 +486,7 @@ def test_compiled_code_follows_process_wide_settings():
 
 
 def test_scope_around_compiled_code_warns_that_it_does_not_reach_it(monkeypatch):
-    monkeypatch.setattr(_patch, "_warned_compiled_scope", False)
+    monkeypatch.setattr(_config, "_warned_compiled_scope", False)
     torch._dynamo.reset()
     step, compiled = compiled_bn_step()
     x = torch.randn(64, 8)

@@ -25,7 +25,7 @@ from torch import nn
 import amp_bn_fix
 from _bounds import assert_near, assert_within, fp32_bound, rounding_bound, same_computation_bound
 from _shared import ORIGINAL, assert_stats_replayed, record_inputs
-from amp_bn_fix import _patch, _state
+from amp_bn_fix import _config, _patch, _state
 
 # TorchScript, jit.trace and jit.save/load say they are deprecated; these tests use them on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.* is deprecated:DeprecationWarning")
@@ -430,7 +430,7 @@ def stats_of(bn):
 def test_strict_export_leaves_no_compiled_policy_behind(monkeypatch):
     # Strict export traces with dynamo, but keeps no compiled code: a later policy() block (the
     # error message above recommends one) must not warn that it misses compiled code.
-    monkeypatch.setattr(_patch, "_warned_compiled_scope", False)
+    monkeypatch.setattr(_config, "_warned_compiled_scope", False)
     monkeypatch.setattr(_state, "compiled_policies", set())
     with autocast():
         torch.export.export(conv_bn(), (image(),), strict=True)
