@@ -63,6 +63,11 @@ def autocast_enabled(device_type: str) -> bool:
     return _is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
+def device_type(t: torch.Tensor) -> str:
+    """The device type of ``t``'s device (``cpu`` read without making a device object)."""
+    return "cpu" if t.is_cpu else t.device.type
+
+
 def autocast_dtype(device_type: str) -> torch.dtype:
     """The lower-precision dtype autocast currently uses on ``device_type``."""
     return torch.get_autocast_dtype(device_type)

@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from . import _guard, _kernels, _master, _tuning
-from ._compat import cudnn_enabled, exclude_autocast, function_mode_enabled, plain_eager, restore_autocast, to_copy
+from ._compat import (cudnn_enabled, device_type, exclude_autocast, function_mode_enabled, plain_eager, restore_autocast,
+                      to_copy)
 from ._plan import Plan
 
 _F32 = torch.float32
@@ -90,7 +91,7 @@ class Session:
         self.out_dtype, self.plain, self.eager, self.host, self.native = plan.out_dtype, plain, eager, host, native
         self.torch_output, self._running, self._master, self._update = plan.torch_output, call[1:3], master, update
         self._token: _guard.Token = None
-        self._autocast = exclude_autocast("cpu" if input.is_cpu else input.device.type, eager)
+        self._autocast = exclude_autocast(device_type(input), eager=eager)
         try:
             if master:
                 # The master takes the update (and is read in eval); it is rounded into the buffers.
@@ -107,6 +108,10 @@ class Session:
             restore_autocast(self._autocast)
             raise
         self.mean, self.var = mean, var
+
+    def kernel_call(self) -> Tuple[Any, ...]:
+        """The call in ``F.batch_norm``'s order, with the running stats to update in place of the caller's."""
+        return (self.input, self.mean, self.var, self.weight, self.bias, self.training, self.momentum, self.eps)
 
     def end(self) -> None:
         try:
@@ -140,27 +145,32 @@ def _when_mixed(s: Session) -> Optional[torch.memory_format]:
         return None
     if s.input.is_cpu:
         return _kernels.mixed_kernel_layout(s.input)
-    return torch.preserve_format if s.input.device.type in _MIXED_KERNEL_DEVICES else None
+    return torch.preserve_format if device_type(s.input) in _MIXED_KERNEL_DEVICES else None
 
 
 def _mixed(s: Session, layout: torch.memory_format) -> torch.Tensor:
-    args = (s.mean, s.var, to_fp32(s.weight, True), to_fp32(s.bias, True), s.training, s.momentum, s.eps)
+    call = (s.input, s.mean, s.var, to_fp32(s.weight, True), to_fp32(s.bias, True), s.training, s.momentum, s.eps)
     if s.input.is_cpu:
-        return _kernels.mixed_batch_norm(s.original, layout, s.input, *args)
-    return s.original(s.input, *args)
+        return _kernels.mixed_batch_norm(s.original, layout, call)
+    return s.original(*call)
 
 
 def _when_fp32_route(s: Session) -> Optional[bool]:
-    # Where it pays: large calls only (``_tuning``), asked before anything else.
-    if not (s.native and s.eager and s.out_dtype is _F32) or s.input.numel() < (
-            _tuning.min_values() if s.host else _tuning.DEVICE_MIN_VALUES):
+    # Where it pays, asked before anything else: on the host route large training calls, on the
+    # device route large calls (``_tuning``).
+    if not (s.native and s.eager and s.out_dtype is _F32):
         return None
-    return _kernels.fp32_route(s.host, s.input, s.mean, s.var, s.weight, s.bias, s.training, s.momentum, s.eps)
+    if s.host:
+        if s.training is not True or s.input.numel() < _tuning.min_values():
+            return None
+    elif s.input.numel() < _tuning.DEVICE_MIN_VALUES:
+        return None
+    return _kernels.fp32_route(s.host, s.kernel_call())
 
 
 def _fp32_route(s: Session, chunked: bool) -> torch.Tensor:
     # A half model's 16-bit weight and bias are read as they are.
-    return _kernels.fp32_batch_norm(s.input, s.mean, s.var, s.weight, s.bias, s.training, s.momentum, s.eps, chunked)
+    return _kernels.fp32_batch_norm(s.kernel_call(), chunked)
 
 
 def _reference(s: Session, _: bool) -> torch.Tensor:
@@ -185,7 +195,7 @@ KERNELS: Tuple[Tuple[Optional[Callable[[Session], Any]], Callable[[Session, Any]
 )
 
 
-def run(original: Original, call: Tuple[Any, ...], plan: Plan, native: bool = True) -> torch.Tensor:
+def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool = True) -> torch.Tensor:
     """Compute ``call`` (``F.batch_norm``'s eight arguments) with FP32 statistics, normalization and
     running-stat update, as ``plan`` says; the result is ``plan.out_dtype``.
 

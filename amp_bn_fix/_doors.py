@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import has_torch_function_variadic
 
 from . import _compute, _guard, _record, _state, _tuning
-from ._compat import LOW_PRECISION, exclude_autocast, foreach_copy, is_compiling, is_exporting, restore_autocast, untraced
+from ._compat import LOW_PRECISION, device_type, exclude_autocast, foreach_copy, is_compiling, is_exporting, restore_autocast, untraced
 from ._compute import Original
 from ._plan import Plan, bind, considered, plan
 
@@ -51,20 +51,20 @@ _torch_impl_index = torch._batch_norm_impl_index
 _aten_impl_index_backward = torch.ops.aten._batch_norm_impl_index_backward.default
 
 
-def _enter(call: Tuple[Any, ...], decided: Optional[Plan], original: Original, native: bool,
-           torch_own: Callable[[], Any]) -> Any:
+def _enter(call: Tuple[Any, ...], decided: Optional[Plan], original: Original, torch_own: Callable[[], Any], *,
+           native: bool) -> Any:
     """Every door's steps after its plan: this thread's flag, then ``torch_own()`` (``decided`` None)
     or the compute with ``original`` (see ``_compute.run``), then the count."""
     if "torch._dynamo" in _modules and is_compiling() and not is_exporting() and considered(call):
         # The policy torch.compile compiles the call under (strict export traces with dynamo too,
         # but keeps no compiled code a scope could miss).
-        _state.compiled_policies.add(_state.policy(call[0].device.type))
+        _state.compiled_policies.add(_state.policy(device_type(call[0])))
     _thread.inside = True
     try:
         if decided is None:
             _counts.passed += 1
             return torch_own()
-        out = _compute.run(original, call, decided, native)
+        out = _compute.run(original, call, decided, native=native)
     finally:
         _thread.inside = False
     _record.handled(decided.counted_as)  # once computed: a call that raises was not handled
@@ -92,12 +92,12 @@ def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple,
             call = bind(*args, **kwargs)
         except TypeError:  # malformed: torch's own error
             call = (None,) * 8
-    return _enter(call, plan(call), wrapped, native, lambda: wrapped(*args, **kwargs))
+    return _enter(call, plan(call), wrapped, lambda: wrapped(*args, **kwargs), native=native)
 
 
 def _below_autocast(device_type: str, op: Any, torch_function: Any, args: tuple) -> torch.Tensor:
     """The op with ``device_type``'s autocast key excluded: torch's computation below the dispatcher door."""
-    excluded = exclude_autocast(device_type, True)
+    excluded = exclude_autocast(device_type, eager=True)
     try:
         if _has_torch_function(*args[:5]):
             return op(*args)
@@ -205,7 +205,7 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
             call = (x, mean_copies, var_copies, _repeat(weight, n), _repeat(bias, n), use_input_stats, momentum, eps)
             decided = plan(call, guard=False)  # the copies are not the module's stats: their average is guarded
         below = functools.partial(_batch_norm_below_autocast, device_type, cudnn_enabled)
-        out = _enter(call, decided, below, True, torch_own)  # type: ignore[arg-type]
+        out = _enter(call, decided, below, torch_own, native=True)  # type: ignore[arg-type]
         if decided is None:
             return out
         if use_input_stats:
@@ -232,18 +232,12 @@ def _average_copies(running_mean: Optional[torch.Tensor], running_var: Optional[
     _guard.finish(running_mean, running_var, mean, var, token, eager, running_mean)
 
 
-class SyncCall(NamedTuple):
-    """The arguments of one ``SyncBatchNorm.apply`` call, by name."""
-
-    input: torch.Tensor
-    weight: Optional[torch.Tensor]
-    bias: Optional[torch.Tensor]
-    running_mean: Optional[torch.Tensor]
-    running_var: Optional[torch.Tensor]
-    eps: float
-    momentum: float
-    process_group: Any
-    world_size: int
+def _bind_sync(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], eps: float, momentum: float,
+               process_group: Any, world_size: int) -> Tuple[Tuple[Any, ...], Any, int]:
+    """``SyncBatchNorm.apply``'s arguments: the call in ``F.batch_norm``'s order (the syncing path
+    always trains), and the group it syncs over."""
+    return (input, running_mean, running_var, weight, bias, True, momentum, eps), process_group, world_size
 
 
 def sync_batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -255,12 +249,9 @@ def sync_batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: t
     if _thread.inside or not _state.active:
         return wrapped(*args, **kwargs)
     try:
-        call = SyncCall(*args, **kwargs)
+        as_batch_norm, group, world_size = _bind_sync(*args, **kwargs)
     except TypeError:  # malformed: torch's own error
-        call = SyncCall(*(None,) * 9)
-    # The same call in F.batch_norm's order (the syncing path always trains).
-    as_batch_norm = (call.input, call.running_mean, call.running_var, call.weight, call.bias, True, call.momentum,
-                     call.eps)
+        as_batch_norm, group, world_size = (None,) * 8, None, 0
     decided = plan(as_batch_norm)
     if decided is not None and decided.torch_output:
         # Outside autocast a half model's syncing call is torch's own: its output is torch's, and a
@@ -278,7 +269,6 @@ def sync_batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: t
     def syncing(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
                 weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], training: bool, momentum: float,
                 eps: float) -> torch.Tensor:
-        return wrapped(input, weight, bias, running_mean, running_var, eps, momentum, call.process_group,
-                       call.world_size)
+        return wrapped(input, weight, bias, running_mean, running_var, eps, momentum, group, world_size)
 
-    return _enter(as_batch_norm, decided, syncing, False, lambda: wrapped(*args, **kwargs))
+    return _enter(as_batch_norm, decided, syncing, lambda: wrapped(*args, **kwargs), native=False)

@@ -55,11 +55,8 @@ def begin(mean: torch.Tensor, var: torch.Tensor, *, guard: bool, eager: bool, ho
     fp32 = plain or (mean.dtype is _F32 and var.dtype is _F32)
     if not guard and fp32:
         return mean, var, None
-    # Both stats in one working tensor: FP32, of one shape (a mismatch is torch's to report), with
-    # values to decide on, on one device (both on the CPU: cheaper to test than device objects).
-    if plain or (guard and eager and fp32 and mean.numel() == var.numel() > 0
-                 and (mean.dim() == var.dim() == 1 or mean.shape == var.shape)
-                 and ((mean.is_cpu and var.is_cpu) or mean.device == var.device)):
+    # Both stats in one working tensor, FP32.
+    if plain or (guard and eager and fp32 and joinable(mean, var)):
         if host:
             # A finite float32 value round-trips exactly through a Python float; a NaN may not (a
             # signalling one comes back quiet), so stats that are not finite already are copied.
@@ -72,6 +69,13 @@ def begin(mean: torch.Tensor, var: torch.Tensor, *, guard: bool, eager: bool, ho
         work_mean, work_var = work.unbind()
         return work_mean, work_var, (_DEVICE, work)
     return _working_copy(mean), _working_copy(var), (_COPIES, guard)
+
+
+def joinable(mean: torch.Tensor, var: torch.Tensor) -> bool:
+    """Whether both stats go into one working tensor: of one shape (a mismatch is torch's to
+    report), with values to decide on, on one device (both on the CPU: cheaper to test than device
+    objects)."""
+    return mean.shape == var.shape and mean.numel() > 0 and ((mean.is_cpu and var.is_cpu) or mean.device == var.device)
 
 
 def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, updated_var: torch.Tensor,

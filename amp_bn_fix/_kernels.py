@@ -26,7 +26,7 @@ a tracer would record faithfully.
 from __future__ import annotations
 
 import functools
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -34,6 +34,8 @@ from . import _tuning
 from ._compat import LOW_PRECISION, is_batched, plain_eager
 
 _aten = torch.ops.aten
+# ``F.batch_norm``'s eight arguments, in its order.
+Call = Tuple[Any, ...]
 # Rows (one sample, one channel) shorter than this make :func:`_batch_stats` slow: the kernel
 # reduces rows given as channels one by one.
 _MIN_ROW = 32
@@ -43,23 +45,13 @@ _MIN_ROW = 32
 _MAX_ROW = 1024
 
 
-def mixed_batch_norm(
-    original: Callable[..., torch.Tensor],
-    layout: torch.memory_format,
-    input: torch.Tensor,
-    running_mean: Optional[torch.Tensor],
-    running_var: Optional[torch.Tensor],
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    training: bool,
-    momentum: float,
-    eps: float,
-) -> torch.Tensor:
+def mixed_batch_norm(original: Callable[..., torch.Tensor], layout: torch.memory_format, call: Call) -> torch.Tensor:
     """A half-precision output computed in FP32 by the native mixed-dtype kernel on CPU.
 
-    ``original`` (``F.batch_norm``'s signature) validates the call and raises its own errors.
-    ``layout`` is what :func:`mixed_kernel_layout` found for ``input``.
+    ``original`` (``F.batch_norm``'s signature) validates ``call`` and raises its own errors.
+    ``layout`` is what :func:`mixed_kernel_layout` found for its input.
     """
+    input, running_mean, running_var, weight, bias, training, momentum, eps = call
     if weight is None and bias is None and running_mean is None and running_var is None and input.dim() >= 2:
         # With no FP32 tensor in the call the kernel takes its all-half path, which rounds the
         # batch statistics to half; one FP32 weight of ones makes it the mixed (FP32) kernel.
@@ -86,17 +78,7 @@ def mixed_kernel_layout(input: torch.Tensor) -> Optional[torch.memory_format]:
     return None
 
 
-def fp32_route(
-    host: bool,
-    input: torch.Tensor,
-    running_mean: Optional[torch.Tensor],
-    running_var: Optional[torch.Tensor],
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    training: object,
-    momentum: object,
-    eps: object,
-) -> Optional[bool]:
+def fp32_route(host: bool, call: Call) -> Optional[bool]:
     """How :func:`fp32_batch_norm` computes this call: ``True`` in chunks (the host route), ``False``
     whole (the route a CUDA call takes), ``None`` not at all (the reference computes it).
 
@@ -105,13 +87,14 @@ def fp32_route(
     a tensor of the wrong size, dtype or device, stats that require grad), and the empty batch it
     special-cases, goes to the reference: errors and edge cases stay the original's.
 
-    The caller asks only for calls large enough to pay (``_tuning``). On the host route only
-    training calls in contiguous NCHW pay for the chunks' many small ops; other layouts would be
-    copied by the row-wise reduction, and the reference is fast for channels_last. On the device
-    route calls in every layout, training and eval alike: there the reference's FP32 copy of the
-    input is what costs (see ``docs/performance.md``).
+    The caller asks only where the route pays (``_tuning``): on the host route for large training
+    calls, of which only contiguous NCHW ones pay for the chunks' many small ops (other layouts
+    would be copied by the row-wise reduction, and the reference is fast for channels_last); on the
+    device route for large calls in every layout, training and eval alike, where the reference's
+    FP32 copy of the input is what costs (see ``docs/performance.md``).
     """
-    if training is not True and (host or training is not False):
+    input, running_mean, running_var, weight, bias, training, momentum, eps = call
+    if training is not True and training is not False:
         return None
     if input.dtype not in LOW_PRECISION or type(momentum) not in (int, float) or type(eps) not in (int, float):
         return None
@@ -324,17 +307,7 @@ def _batch_stats(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return mean, var
 
 
-def fp32_batch_norm(
-    input: torch.Tensor,
-    running_mean: Optional[torch.Tensor],
-    running_var: Optional[torch.Tensor],
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    training: bool,
-    momentum: float,
-    eps: float,
-    chunked: bool,
-) -> torch.Tensor:
+def fp32_batch_norm(call: Call, chunked: bool) -> torch.Tensor:
     """Batch norm of a half ``input`` with an FP32 output, computed in FP32 without an FP32 copy of it.
 
     ``running_mean``/``running_var`` (FP32 or both None) are updated in place as the native kernels
@@ -343,6 +316,7 @@ def fp32_batch_norm(
     ``chunked`` (the host route) reduces them row by row and combines in float64; else CUDA's
     statistics op (:func:`_device_stats`). Eval: the running stats' scale and shift, one pass.
     """
+    input, running_mean, running_var, weight, bias, training, momentum, eps = call
     if not training:
         return _Normalize.apply(input, weight, bias, running_mean, running_var, eps, False, False)
     if not chunked:

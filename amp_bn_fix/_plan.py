@@ -18,9 +18,9 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from . import _master, _state
-from ._compat import (LOW_PRECISION, autocast_dtype, autocast_enabled, function_mode_enabled, has_internal_overlap,
-                      recorded_autocast_dtype, untraced)
+from . import _guard, _master, _state
+from ._compat import (LOW_PRECISION, autocast_dtype, autocast_enabled, device_type, function_mode_enabled,
+                      has_internal_overlap, recorded_autocast_dtype, untraced)
 from _amp_bn_fix_boot.settings import Config
 
 _F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
@@ -141,13 +141,11 @@ def _is_plain(ask: Ask) -> bool:
             return False
     if not training or (mean is None and var is None):
         return True
-    # In training, both stats, 1-D, of one shape, contiguous, with values, not requiring grad and on
-    # the input's device (so the guard's snapshot is one joined copy).
-    return not (
-        mean is None or var is None or mean.requires_grad or var.requires_grad or mean.dim() != 1
-        or var.shape != mean.shape or not mean.is_contiguous() or not var.is_contiguous() or mean.numel() == 0
-        or not _on_device_of(input, mean, var)
-    )
+    # In training, both stats, 1-D, contiguous, not requiring grad, on the input's device and
+    # joinable (so the guard's snapshot is one joined copy).
+    return (mean is not None and var is not None and mean.dim() == 1 and not mean.requires_grad
+            and not var.requires_grad and mean.is_contiguous() and var.is_contiguous()
+            and _guard.joinable(mean, var) and _on_device_of(input, mean))
 
 
 def _any_16_bit(*tensors: Any) -> bool:
@@ -303,10 +301,8 @@ ROUTES = (
 
 def considered(call: Tuple[Any, ...]) -> bool:
     """The test every call pays: whether ``call`` may be the shim's at all."""
-    input, mean, var, weight, bias = call[:5]
-    dtype = getattr(input, "dtype", None)
-    return dtype is _F16 or dtype is _BF16 or (
-        dtype is _F32 and (function_mode_enabled() or _any_16_bit(mean, var, weight, bias)))
+    dtype = getattr(call[0], "dtype", None)
+    return dtype is _F16 or dtype is _BF16 or (dtype is _F32 and (function_mode_enabled() or _any_16_bit(*call[1:5])))
 
 
 def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
@@ -323,9 +319,9 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
     found: Any = _MISSING
     if (training is True or training is False) and untraced(input, mean, var, weight, bias):
         device = input.device
-        device_type = device.type
-        policy = _state.policy(device_type, False)
-        key = _key(call, guard, policy, device, device_type)
+        kind = device.type
+        policy = _state.policy(kind, traced=False)
+        key = _key(call, guard, policy, device, kind)
         if key is not None:
             owner, memo = _memo
             if owner is not config:
@@ -334,10 +330,10 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
             if found is _MISSING:
                 if len(memo) >= _MEMO_SIZE:  # calls of ever new shapes: start again rather than grow
                     memo.clear()
-                found = memo[key] = decide(Ask(call, config, device_type, policy, guard, True))
+                found = memo[key] = decide(Ask(call, config, kind, policy, guard, True))
     if found is _MISSING:
-        device_type = input.device.type
-        found = decide(Ask(call, config, device_type, _state.policy(device_type), guard, False))
+        kind = device_type(input)
+        found = decide(Ask(call, config, kind, _state.policy(kind), guard, False))
     if type(found) is Deferred:
         return found.plan if found.when(mean, var) else None
     return found
@@ -368,7 +364,7 @@ def _new_memo(config: Config) -> Dict[Tuple[Any, ...], Decision]:
 
 
 def _key(call: Tuple[Any, ...], guard: bool, policy: str, device: torch.device,
-         device_type: str) -> Optional[Tuple[Any, ...]]:
+         kind: str) -> Optional[Tuple[Any, ...]]:
     """Everything the routes read of an untraced call with a boolean ``training``, as one flat tuple,
     or None where a tensor is not one (a non-tensor argument: torch's error, decided each time).
 
@@ -379,10 +375,10 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, device: torch.device,
     """
     input, mean, var, weight, bias, training = call[:6]
     # Untraced: no torch.func transform, so autocast's own flag is the routes' ``autocast_enabled``.
-    autocast = _is_autocast_enabled(device_type) if device_type in _AUTOCAST_TYPES else autocast_enabled(device_type)
+    autocast = _is_autocast_enabled(kind) if kind in _AUTOCAST_TYPES else autocast_enabled(kind)
     try:
         key = (
-            guard, policy, training, autocast, autocast and policy == "autocast" and autocast_dtype(device_type),
+            guard, policy, training, autocast, autocast and policy == "autocast" and autocast_dtype(kind),
             type(input), input.dtype, device, input.dim(),
             type(weight), None if weight is None else weight.dtype,
             type(bias), None if bias is None else bias.dtype,

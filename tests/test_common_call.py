@@ -39,10 +39,10 @@ def lane_calls(monkeypatch):
     calls = []
     real = _compute.run
 
-    def counting(original, call, plan, *rest):
+    def counting(original, call, plan, **kwargs):
         if plan.plain:
             calls.append(1)
-        return real(original, call, plan, *rest)
+        return real(original, call, plan, **kwargs)
 
     monkeypatch.setattr(_compute, "run", counting)
     return calls
