@@ -66,12 +66,11 @@ class Session:
     restored.
     """
 
-    __slots__ = ("original", "input", "weight", "bias", "training", "momentum", "eps", "out_dtype", "plain", "eager",
-                 "host", "native", "torch_output", "mean", "var", "_running", "_master", "_values",
-                 "_stats", "_update", "_token", "_autocast")
+    __slots__ = ("call", "plan", "original", "eager", "host", "native", "mean", "var", "_stats", "_values", "_update",
+                 "_token", "_autocast")
 
     def __init__(self, original: Original, call: Tuple[Any, ...], plan: Plan, native: bool) -> None:
-        input, running_mean, running_var, weight, bias, training, momentum, eps = call
+        input, running_mean, running_var, weight, bias, training, _, eps = call
         plain = plan.plain
         # Only in plain eager mode may a kernel use what tracers would not record faithfully (a
         # ``.data`` write, a Python autograd.Function, a backward hook, scratch tensors).
@@ -84,16 +83,12 @@ class Session:
                 and not function_mode_enabled() and not (training and input.numel() == input.size(1))):
             original = _torch_f_batch_norm
         host = eager and _tuning.host_route(input)
-        master = plan.master and eager
         update = bool(training) and running_mean is not None and running_var is not None
-        self.original, self.input, self.weight, self.bias = original, input, weight, bias
-        self.training, self.momentum, self.eps = training, momentum, eps
-        self.out_dtype, self.plain, self.eager, self.host, self.native = plan.out_dtype, plain, eager, host, native
-        self.torch_output, self._running, self._master, self._update = plan.torch_output, call[1:3], master, update
-        self._token: _guard.Token = None
+        self.call, self.plan, self.original, self.eager, self.host, self.native = call, plan, original, eager, host, native
+        self._update, self._token, self._values = update, None, None
         self._autocast = exclude_autocast(device_type(input), eager=eager)
         try:
-            if master:
+            if plan.master and eager:
                 # The master takes the update (and is read in eval); it is rounded into the buffers.
                 self._values = _master.values(running_mean, running_var, host)
                 mean, var = self._values.unbind()
@@ -111,88 +106,86 @@ class Session:
 
     def kernel_call(self) -> Tuple[Any, ...]:
         """The call in ``F.batch_norm``'s order, with the running stats to update in place of the caller's."""
-        return (self.input, self.mean, self.var, self.weight, self.bias, self.training, self.momentum, self.eps)
+        call = self.call
+        return (call[0], self.mean, self.var, *call[3:])
 
     def end(self) -> None:
         try:
             if self._update:
-                running_mean, running_var = self._running
-                _guard.finish(*self._stats, self.mean, self.var, self._token, self.eager, running_mean)
-                if self._master:
+                running_mean, running_var = self.call[1:3]
+                mean, var = self._stats
+                _guard.finish(mean, var, self.mean, self.var, self._token, self.eager, running_mean)
+                if self._values is not None:
                     _master.commit(running_mean, running_var, self._values)
         finally:
             restore_autocast(self._autocast)
 
 
-# ---- The kernels: when each takes a call (and how it runs it), in order ----
+# ---- The kernels, in order: each first says whether it takes the call (else NOT_THIS), then runs it ----
+
+# A kernel's answer for a call it does not take.
+NOT_THIS: Any = object()
 
 
-def _when_statistics_only(s: Session) -> Optional[bool]:
-    # torch's own output is made: in eager mode only the batch's statistics remain. torch's op for
-    # them updates FP32 stats as its kernels do (no output, about half a batch norm on CPU). It
-    # mutates stats its schema does not mark as written, which tracers would miss, and has no meta kernel.
-    return True if s.torch_output and s.eager and not s.input.is_meta else None
+def _statistics_only(s: Session) -> Any:
+    """torch's own output is made: in eager mode only the batch's statistics remain. torch's op for
+    them updates FP32 stats as its kernels do (no output, about half a batch norm on CPU). It
+    mutates stats its schema does not mark as written, which tracers would miss, and has no meta kernel."""
+    input = s.call[0]
+    if not (s.plan.torch_output and s.eager) or input.is_meta:
+        return NOT_THIS
+    if input.numel():  # an empty batch leaves the stats, as torch's kernels do
+        torch.batch_norm_update_stats(input, s.mean, s.var, s.call[6])
+    return None
 
 
-def _statistics_only(s: Session, _: bool) -> None:
-    if s.input.numel():  # an empty batch leaves the stats, as torch's kernels do
-        torch.batch_norm_update_stats(s.input, s.mean, s.var, s.momentum)
+def _mixed(s: Session) -> Any:
+    """The input's dtype out where torch's kernel for its device computes it exactly in FP32 (a layout
+    the kernel takes): the input as it is, FP32 weight and bias."""
+    input, _, _, weight, bias, training, momentum, eps = s.call
+    plan = s.plan
+    if not (s.native and s.eager and plan.out_dtype is input.dtype):
+        return NOT_THIS
+    layout = _kernels.mixed_kernel_layout(input) if input.is_cpu else (
+        torch.preserve_format if device_type(input) in _MIXED_KERNEL_DEVICES else None)
+    if layout is None:
+        return NOT_THIS
+    if not plan.plain:  # a plain plan's are FP32 already
+        weight, bias = to_fp32(weight, True), to_fp32(bias, True)
+    call = (input, s.mean, s.var, weight, bias, training, momentum, eps)
+    return _kernels.mixed_batch_norm(s.original, layout, call) if input.is_cpu else s.original(*call)
 
 
-def _when_mixed(s: Session) -> Optional[torch.memory_format]:
-    """The layout in which torch's kernel for the input's device computes it exactly in FP32, if any."""
-    if not (s.native and s.eager and s.out_dtype is s.input.dtype):
-        return None
-    if s.input.is_cpu:
-        return _kernels.mixed_kernel_layout(s.input)
-    return torch.preserve_format if device_type(s.input) in _MIXED_KERNEL_DEVICES else None
-
-
-def _mixed(s: Session, layout: torch.memory_format) -> torch.Tensor:
-    call = (s.input, s.mean, s.var, to_fp32(s.weight, True), to_fp32(s.bias, True), s.training, s.momentum, s.eps)
-    if s.input.is_cpu:
-        return _kernels.mixed_batch_norm(s.original, layout, call)
-    return s.original(*call)
-
-
-def _when_fp32_route(s: Session) -> Optional[bool]:
-    # Where it pays, asked before anything else: on the host route large training calls, on the
-    # device route large calls (``_tuning``).
-    if not (s.native and s.eager and s.out_dtype is _F32):
-        return None
+def _fp32_route(s: Session) -> Any:
+    """An FP32 output from the 16-bit input (``_kernels``) where it pays, asked before anything else:
+    on the host route large training calls, on the device route large calls (``_tuning``). A half
+    model's 16-bit weight and bias are read as they are."""
+    input, training = s.call[0], s.call[5]
+    if not (s.native and s.eager and s.plan.out_dtype is _F32):
+        return NOT_THIS
     if s.host:
-        if s.training is not True or s.input.numel() < _tuning.min_values():
-            return None
-    elif s.input.numel() < _tuning.DEVICE_MIN_VALUES:
-        return None
-    return _kernels.fp32_route(s.host, s.kernel_call())
+        if training is not True or input.numel() < _tuning.min_values():
+            return NOT_THIS
+    elif input.numel() < _tuning.DEVICE_MIN_VALUES:
+        return NOT_THIS
+    call = s.kernel_call()
+    chunked = _kernels.fp32_route(s.host, call)
+    return NOT_THIS if chunked is None else _kernels.fp32_batch_norm(call, chunked)
 
 
-def _fp32_route(s: Session, chunked: bool) -> torch.Tensor:
-    # A half model's 16-bit weight and bias are read as they are.
-    return _kernels.fp32_batch_norm(s.kernel_call(), chunked)
-
-
-def _reference(s: Session, _: bool) -> torch.Tensor:
-    # A region strict export records takes the input as it comes under the ``input`` policy (no
-    # output dtype): torch's mixed-dtype kernels compute it in FP32 there.
-    eager = s.eager
-    x = s.input if s.out_dtype is None else to_copy(s.input, _F32, eager)
-    weight, bias = s.weight, s.bias
-    if not s.plain:  # a plain plan's are FP32 already
+def _reference(s: Session) -> Any:
+    """Every call: the input cast to FP32 once, torch's FP32 kernel. A region strict export records
+    takes the input as it comes under the ``input`` policy (no output dtype): torch's mixed-dtype
+    kernels compute it in FP32 there."""
+    input, _, _, weight, bias, training, momentum, eps = s.call
+    eager, plan = s.eager, s.plan
+    x = input if plan.out_dtype is None else to_copy(input, _F32, eager)
+    if not plan.plain:  # a plain plan's are FP32 already
         weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
-    return s.original(x, s.mean, s.var, weight, bias, s.training, s.momentum, s.eps)
+    return s.original(x, s.mean, s.var, weight, bias, training, momentum, eps)
 
 
-# (when, run): ``when(session)`` says what the kernel needs to know to run the call (a layout,
-# whether in chunks), or None: not this one; the first that takes the call runs it. The reference
-# takes every call (``when`` None).
-KERNELS: Tuple[Tuple[Optional[Callable[[Session], Any]], Callable[[Session, Any], Optional[torch.Tensor]]], ...] = (
-    (_when_statistics_only, _statistics_only),  # the batch's statistics only
-    (_when_mixed, _mixed),  # torch's mixed-dtype kernel
-    (_when_fp32_route, _fp32_route),  # the FP32 route
-    (None, _reference),  # the reference
-)
+KERNELS: Tuple[Callable[[Session], Any], ...] = (_statistics_only, _mixed, _fp32_route, _reference)
 
 
 def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool = True) -> torch.Tensor:
@@ -214,10 +207,9 @@ def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool =
         call = (input.detach(), mean, var, None, None, training, momentum, eps)
     session = Session(original, call, plan, native)
     try:
-        for when, kernel in KERNELS:
-            how = True if when is None else when(session)
-            if how is not None:
-                out = kernel(session, how)
+        for kernel in KERNELS:
+            out = kernel(session)
+            if out is not NOT_THIS:
                 break
     finally:
         session.end()

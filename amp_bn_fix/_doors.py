@@ -55,9 +55,10 @@ def _enter(call: Tuple[Any, ...], decided: Optional[Plan], original: Original, t
            native: bool) -> Any:
     """Every door's steps after its plan: this thread's flag, then ``torch_own()`` (``decided`` None)
     or the compute with ``original`` (see ``_compute.run``), then the count."""
-    if "torch._dynamo" in _modules and is_compiling() and not is_exporting() and considered(call):
+    if ((decided is None or not decided.plain) and "torch._dynamo" in _modules and is_compiling()
+            and not is_exporting() and considered(call)):
         # The policy torch.compile compiles the call under (strict export traces with dynamo too,
-        # but keeps no compiled code a scope could miss).
+        # but keeps no compiled code a scope could miss); a plain plan's call is not traced.
         _state.compiled_policies.add(_state.policy(device_type(call[0])))
     _thread.inside = True
     try:

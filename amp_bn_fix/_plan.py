@@ -318,10 +318,9 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
     config = _state.config
     found: Any = _MISSING
     if (training is True or training is False) and untraced(input, mean, var, weight, bias):
-        device = input.device
-        kind = device.type
+        kind = device_type(input)
         policy = _state.policy(kind, traced=False)
-        key = _key(call, guard, policy, device, kind)
+        key = _key(call, guard, policy, kind)
         if key is not None:
             owner, memo = _memo
             if owner is not config:
@@ -363,15 +362,14 @@ def _new_memo(config: Config) -> Dict[Tuple[Any, ...], Decision]:
     return memo
 
 
-def _key(call: Tuple[Any, ...], guard: bool, policy: str, device: torch.device,
-         kind: str) -> Optional[Tuple[Any, ...]]:
+def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str) -> Optional[Tuple[Any, ...]]:
     """Everything the routes read of an untraced call with a boolean ``training``, as one flat tuple,
     or None where a tensor is not one (a non-tensor argument: torch's error, decided each time).
 
-    The routes read each tensor's type and dtype, the input's device and number of dimensions;
-    autocast's state for the input's device and, under the ``autocast`` policy, its dtype; and for a
-    training call (an update) the stats' devices, shapes, strides (contiguity, elements that share
-    memory) and ``requires_grad``. The settings key the memo itself (:func:`_new_memo`).
+    The routes read each tensor's type and dtype, the input's device (its type and index) and number
+    of dimensions; autocast's state for the input's device and, under the ``autocast`` policy, its
+    dtype; and for a training call (an update) the stats' devices, shapes, strides (contiguity,
+    elements that share memory) and ``requires_grad``. The settings key the memo itself (:func:`_new_memo`).
     """
     input, mean, var, weight, bias, training = call[:6]
     # Untraced: no torch.func transform, so autocast's own flag is the routes' ``autocast_enabled``.
@@ -379,7 +377,7 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, device: torch.device,
     try:
         key = (
             guard, policy, training, autocast, autocast and policy == "autocast" and autocast_dtype(kind),
-            type(input), input.dtype, device, input.dim(),
+            type(input), input.dtype, kind, input.get_device(), input.dim(),
             type(weight), None if weight is None else weight.dtype,
             type(bias), None if bias is None else bias.dtype,
             type(mean), None if mean is None else mean.dtype,
@@ -389,8 +387,10 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, device: torch.device,
             return key
         return (
             *key,
-            None if mean is None else (mean.device, mean.requires_grad, mean.shape, mean.stride()),
-            None if var is None else (var.device, var.requires_grad, var.shape, var.stride()),
+            # A CPU tensor's device read without making a device object (``Tensor.device`` makes one,
+            # which on the common call costs more than the rest of the key).
+            None if mean is None else (mean.is_cpu or mean.device, mean.requires_grad, mean.shape, mean.stride()),
+            None if var is None else (var.is_cpu or var.device, var.requires_grad, var.shape, var.stride()),
         )
     except AttributeError:
         return None
