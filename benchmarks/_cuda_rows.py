@@ -15,7 +15,7 @@ from torch import nn
 from _harness import OFF, ON, Bench, settings, shim
 from _large_rows import bandwidth_rows
 from _models import HALF, bn_step, count_bn, grads_like, half_input, resnet50_like, train_step
-from _traffic import BY_HAND, NATIVE, count_call
+from _traffic import BY_HAND, NATIVE, count_call, count_step
 
 CUDA_SHAPES = ((32, 64, 56, 56), (256, 64, 56, 56), (32, 256, 14, 14))
 DRY_SHAPES = ((2, 8, 6, 6), (4, 8, 6, 6), (2, 16, 3, 3))
@@ -85,10 +85,15 @@ def resnet50(b: Bench) -> None:
     calls = 1 if dry(b) else 3
     for _, channels_last in LAYOUTS:
         _, step, label = _resnet50(b, channels_last)
+        with shim(False):
+            native_bytes, native_launches = count_step(step)
         for policy in ("fp32", "input"):
+            with shim(True, policy=policy, guard=True):
+                moved, launches = count_step(step)
             with settings(policy=policy, guard=True):
                 t = b.compare(step, step, 9, calls, ON, OFF)
-            b.add("cuda-resnet50", label, policy, "native", t)
+            b.add("cuda-resnet50", label, policy, "native", t,
+                  note=f"count predicts {moved / native_bytes:.2f} ({launches - native_launches:+d} launches)")
 
 
 def bandwidth(b: Bench) -> None:

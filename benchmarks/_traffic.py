@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -95,6 +95,14 @@ def count_call(shape: Sequence[int], dtype: torch.dtype, policy: str, mode: str,
         (amp_bn_fix.enable if enabled else amp_bn_fix.disable)()
     values = x.numel()
     return Count(traffic.moved / values, kept / values, traffic.launches, traffic.kernels)
+
+
+def count_step(step: Callable[[], object]) -> Tuple[float, int]:
+    """Bytes moved and launches of one call of ``step`` (a whole training step, say), as it runs now."""
+    step()  # lazy set-up (optimizer state, a half model's master) is not part of the step
+    with count_kernels() as traffic:
+        step()
+    return traffic.moved, traffic.launches
 
 
 def predicted_ratio(count: Count, native: Count) -> float:
