@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import has_torch_function_variadic
@@ -51,10 +51,11 @@ _torch_impl_index = torch._batch_norm_impl_index
 _aten_impl_index_backward = torch.ops.aten._batch_norm_impl_index_backward.default
 
 
-def _enter(call: Tuple[Any, ...], decided: Optional[Plan], original: Original, torch_own: Callable[[], Any], *,
-           native: bool) -> Any:
-    """Every door's steps after its plan: this thread's flag, then ``torch_own()`` (``decided`` None)
-    or the compute with ``original`` (see ``_compute.run``), then the count."""
+def _enter(call: Tuple[Any, ...], decided: Optional[Plan], original: Original, torch_own: Callable[..., Any],
+           args: Tuple[Any, ...], kwargs: Dict[str, Any], *, native: bool) -> Any:
+    """Every door's steps after its plan: this thread's flag, then ``torch_own(*args, **kwargs)``
+    (``decided`` None: the call as the door received it) or the compute with ``original`` (see
+    ``_compute.run``), then the count."""
     if ((decided is None or not decided.plain) and "torch._dynamo" in _modules and is_compiling()
             and not is_exporting() and considered(call)):
         # The policy torch.compile compiles the call under (strict export traces with dynamo too,
@@ -64,7 +65,7 @@ def _enter(call: Tuple[Any, ...], decided: Optional[Plan], original: Original, t
     try:
         if decided is None:
             _counts.passed += 1
-            return torch_own()
+            return torch_own(*args, **kwargs)
         out = _compute.run(original, call, decided, native=native)
     finally:
         _thread.inside = False
@@ -93,7 +94,7 @@ def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple,
             call = bind(*args, **kwargs)
         except TypeError:  # malformed: torch's own error
             call = (None,) * 8
-    return _enter(call, plan(call), wrapped, lambda: wrapped(*args, **kwargs), native=native)
+    return _enter(call, plan(call), wrapped, wrapped, args, kwargs, native=native)
 
 
 def _below_autocast(device_type: str, op: Any, torch_function: Any, args: tuple) -> torch.Tensor:
@@ -191,11 +192,8 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
     def instance_norm_at_autocast(*args: Any) -> torch.Tensor:
         input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled = args
 
-        def torch_own() -> torch.Tensor:
-            return _below_autocast(device_type, _aten_instance_norm, _torch_instance_norm, args)
-
         if _thread.inside:
-            return torch_own()
+            return _below_autocast(device_type, _aten_instance_norm, _torch_instance_norm, args)
         decided = call = None
         # 16-bit calls with a batch dimension, and stats in eval: a malformed call gets torch's own error.
         if (input.dtype in LOW_PRECISION and input.dim() >= 2
@@ -206,7 +204,8 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
             call = (x, mean_copies, var_copies, _repeat(weight, n), _repeat(bias, n), use_input_stats, momentum, eps)
             decided = plan(call, guard=False)  # the copies are not the module's stats: their average is guarded
         below = functools.partial(_batch_norm_below_autocast, device_type, cudnn_enabled)
-        out = _enter(call, decided, below, torch_own, native=True)  # type: ignore[arg-type]
+        out = _enter(call, decided, below, _below_autocast,  # type: ignore[arg-type]
+                     (device_type, _aten_instance_norm, _torch_instance_norm, args), {}, native=True)
         if decided is None:
             return out
         if use_input_stats:
@@ -272,4 +271,4 @@ def sync_batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: t
                 eps: float) -> torch.Tensor:
         return wrapped(input, weight, bias, running_mean, running_var, eps, momentum, group, world_size)
 
-    return _enter(as_batch_norm, decided, syncing, lambda: wrapped(*args, **kwargs), native=False)
+    return _enter(as_batch_norm, decided, syncing, wrapped, args, kwargs, native=False)
