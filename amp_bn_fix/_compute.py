@@ -142,14 +142,15 @@ def _statistics_only(s: Session) -> Any:
 def _mixed(s: Session) -> Any:
     """The input's dtype out where torch's kernel for its device computes it exactly in FP32 (a layout
     the kernel takes): the input as it is, FP32 weight and bias."""
-    input, _, _, weight, bias, training, momentum, eps = s.call
-    plan = s.plan
+    call, plan = s.call, s.plan
+    input = call[0]
     if not (s.native and s.eager and plan.out_dtype is input.dtype):
         return NOT_THIS
     layout = _kernels.mixed_kernel_layout(input) if input.is_cpu else (
         torch.preserve_format if device_type(input) in _MIXED_KERNEL_DEVICES else None)
     if layout is None:
         return NOT_THIS
+    _, _, _, weight, bias, training, momentum, eps = call
     if not plan.plain:  # a plain plan's are FP32 already
         weight, bias = to_fp32(weight, True), to_fp32(bias, True)
     call = (input, s.mean, s.var, weight, bias, training, momentum, eps)
@@ -164,7 +165,8 @@ def _fp32_route(s: Session) -> Any:
     if not (s.native and s.eager and s.plan.out_dtype is _F32):
         return NOT_THIS
     if s.host:
-        if training is not True or input.numel() < _tuning.min_values():
+        # MIN_VALUES is min_values() at one thread: no call below it asks for the thread count.
+        if training is not True or input.numel() < _tuning.MIN_VALUES or input.numel() < _tuning.min_values():
             return NOT_THIS
     elif input.numel() < _tuning.DEVICE_MIN_VALUES:
         return NOT_THIS
