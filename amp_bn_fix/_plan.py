@@ -375,22 +375,20 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str) -> Optional
     # Untraced: no torch.func transform, so autocast's own flag is the routes' ``autocast_enabled``.
     autocast = _is_autocast_enabled(kind) if kind in _AUTOCAST_TYPES else autocast_enabled(kind)
     try:
-        key = (
+        # The stats' layout, device and requires_grad matter to an update only. A CPU tensor's
+        # device is read without making a device object (``Tensor.device`` makes one, which on the
+        # common call costs more than the rest of the key).
+        layout = None if not training else (
+            None if mean is None else (mean.is_cpu or mean.device, mean.requires_grad, mean.shape, mean.stride()),
+            None if var is None else (var.is_cpu or var.device, var.requires_grad, var.shape, var.stride()))
+        return (
             guard, policy, training, autocast, autocast and policy == "autocast" and autocast_dtype(kind),
             type(input), input.dtype, kind, input.get_device(), input.dim(),
             type(weight), None if weight is None else weight.dtype,
             type(bias), None if bias is None else bias.dtype,
             type(mean), None if mean is None else mean.dtype,
             type(var), None if var is None else var.dtype,
-        )
-        if not training:  # the stats' layout, device and requires_grad matter to an update only
-            return key
-        return (
-            *key,
-            # A CPU tensor's device read without making a device object (``Tensor.device`` makes one,
-            # which on the common call costs more than the rest of the key).
-            None if mean is None else (mean.is_cpu or mean.device, mean.requires_grad, mean.shape, mean.stride()),
-            None if var is None else (var.is_cpu or var.device, var.requires_grad, var.shape, var.stride()),
+            layout,
         )
     except AttributeError:
         return None
