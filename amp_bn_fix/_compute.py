@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from . import _guard, _kernels, _master, _tuning
-from ._compat import (cudnn_enabled, device_type, exclude_autocast, function_mode_enabled, plain_eager, restore_autocast,
-                      to_copy)
+from ._compat import (cudnn_enabled, device_type, exclude_autocast, function_mode_enabled, plain_eager,
+                      restore_autocast, to_copy)
 from ._plan import Plan
 
 _F32 = torch.float32
@@ -84,7 +84,8 @@ class Session:
             original = _torch_f_batch_norm
         host = eager and _tuning.host_route(input)
         update = bool(training) and running_mean is not None and running_var is not None
-        self.call, self.plan, self.original, self.eager, self.host, self.native = call, plan, original, eager, host, native
+        self.call, self.plan, self.original = call, plan, original
+        self.eager, self.host, self.native = eager, host, native
         self._update, self._token, self._values = update, None, None
         self._autocast = exclude_autocast(device_type(input), eager=eager)
         try:

@@ -31,7 +31,8 @@ import torch
 from torch.overrides import has_torch_function_variadic
 
 from . import _compute, _guard, _record, _state, _tuning
-from ._compat import LOW_PRECISION, device_type, exclude_autocast, foreach_copy, is_compiling, is_exporting, restore_autocast, untraced
+from ._compat import (LOW_PRECISION, device_type, exclude_autocast, foreach_copy, is_compiling, is_exporting,
+                      restore_autocast, untraced)
 from ._compute import Original
 from ._plan import Plan, bind, considered, plan
 
@@ -109,12 +110,9 @@ def _below_autocast(device_type: str, op: Any, torch_function: Any, args: tuple)
 
 
 def _batch_norm_below_autocast(device_type: str, cudnn_enabled: bool, *call: Any) -> torch.Tensor:
-    """``aten::batch_norm`` below the door, with ``F.batch_norm``'s signature (what the compute calls)."""
-    return _below_autocast(device_type, _aten_batch_norm, _torch_batch_norm, (*_swap_pairs(_bound(call)), cudnn_enabled))
-
-
-def _bound(call: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    return call if len(call) == 8 else bind(*call)
+    """``aten::batch_norm`` below the door, given ``F.batch_norm``'s eight arguments by position (as
+    the compute calls it)."""
+    return _below_autocast(device_type, _aten_batch_norm, _torch_batch_norm, (*_swap_pairs(call), cudnn_enabled))
 
 
 def batch_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
@@ -142,7 +140,7 @@ def batch_norm_impl_index_kernel(device_type: str) -> Callable[..., Tuple[Any, .
 
         def below(*call: Any) -> torch.Tensor:
             out, *saved[:] = _below_autocast(device_type, _aten_impl_index, _torch_impl_index,
-                                             (*_swap_pairs(_bound(call)), args[8]))
+                                             (*_swap_pairs(call), args[8]))
             return out
 
         out = batch_norm(below, None, _swap_pairs(args[:8]), {}, native=False)  # one call of ``below``
@@ -191,7 +189,6 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
 
     def instance_norm_at_autocast(*args: Any) -> torch.Tensor:
         input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled = args
-
         if _thread.inside:
             return _below_autocast(device_type, _aten_instance_norm, _torch_instance_norm, args)
         decided = call = None

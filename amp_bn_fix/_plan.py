@@ -181,13 +181,6 @@ def _left_to_torch(call: Tuple[Any, ...]) -> bool:
     return False
 
 
-def _mixed(call: Tuple[Any, ...]) -> bool:
-    """Whether a tensor's dtype differs from the 16-bit input's: a mix torch's kernels reject outside
-    autocast (half weight with FP32 stats, what ``model.half()`` leaves when the stats are kept FP32)."""
-    dtype = call[0].dtype
-    return any(t is not None and getattr(t, "dtype", None) is not dtype for t in call[1:5])
-
-
 def _left_by_keep_stats(call: Tuple[Any, ...], dtype: torch.dtype) -> bool:
     """Whether ``call`` has FP32 running stats next to weight and bias in the 16-bit input's dtype.
 
@@ -252,7 +245,11 @@ def _fp32_input(ask: Ask) -> bool:  # outside autocast such a mix keeps torch's 
 
 
 def _mixed_dtypes(ask: Ask) -> bool:
-    return _mixed(ask.call)
+    """Whether a tensor's dtype differs from the 16-bit input's: a mix torch's kernels reject outside
+    autocast (half weight with FP32 stats, what ``model.half()`` leaves when the stats are kept FP32)."""
+    call = ask.call
+    dtype = call[0].dtype
+    return any(t is not None and getattr(t, "dtype", None) is not dtype for t in call[1:5])
 
 
 def _plan_mixed(ask: Ask) -> Decision:
