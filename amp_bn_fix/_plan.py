@@ -148,8 +148,13 @@ def _is_plain(ask: Ask) -> bool:
             and _guard.joinable(mean, var) and _on_device_of(input, mean))
 
 
-def _any_16_bit(*tensors: Any) -> bool:
-    return any(getattr(t, "dtype", None) in LOW_PRECISION for t in tensors)
+def _any_16_bit(tensors: Tuple[Any, ...]) -> bool:
+    # A loop, not ``any()`` over a generator: an FP32 call pays this on every call the shim passes on.
+    for t in tensors:
+        dtype = getattr(t, "dtype", None)
+        if dtype is _F16 or dtype is _BF16:
+            return True
+    return False
 
 
 def _on_device_of(input: torch.Tensor, *stats: Optional[torch.Tensor]) -> bool:
@@ -218,7 +223,7 @@ def _torchs(ask: Ask) -> bool:
     """An FP32 input with nothing 16-bit next to it, or a call torch must see as it is: to reject
     it, or to update the stats itself (:func:`_left_to_torch`)."""
     call = ask.call
-    return (call[0].dtype is _F32 and not _any_16_bit(*call[1:5])) or _left_to_torch(call)
+    return (call[0].dtype is _F32 and not _any_16_bit(call[1:5])) or _left_to_torch(call)
 
 
 def _off(ask: Ask) -> bool:
@@ -299,7 +304,7 @@ ROUTES = (
 def considered(call: Tuple[Any, ...]) -> bool:
     """The test every call pays: whether ``call`` may be the shim's at all."""
     dtype = getattr(call[0], "dtype", None)
-    return dtype is _F16 or dtype is _BF16 or (dtype is _F32 and (function_mode_enabled() or _any_16_bit(*call[1:5])))
+    return dtype is _F16 or dtype is _BF16 or (dtype is _F32 and (function_mode_enabled() or _any_16_bit(call[1:5])))
 
 
 def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
