@@ -6,49 +6,32 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near, batch_norm_scales
+from _builders import batch_norm, fp64_batch_norm, fp64_module, seeded_input
 from _shared import ORIGINAL
 from amp_bn_fix import _plan, _state
 
 LOW = [torch.float16, torch.bfloat16]
-# (module class, input shape): BatchNorm1d takes (N, C) and (N, C, L).
+# (dimensions, input shape): BatchNorm1d takes (N, C) and (N, C, L).
 KINDS = {
-    "1d": (nn.BatchNorm1d, (16, 6)),
-    "1d-seq": (nn.BatchNorm1d, (8, 6, 5)),
-    "2d": (nn.BatchNorm2d, (8, 6, 5, 4)),
-    "3d": (nn.BatchNorm3d, (4, 6, 3, 4, 3)),
+    "1d": (1, (16, 6)),
+    "1d-seq": (1, (8, 6, 5)),
+    "2d": (2, (8, 6, 5, 4)),
+    "3d": (3, (4, 6, 3, 4, 3)),
 }
 
 # Every test on the CPU's route and on the route a CUDA call takes (see conftest).
 pytestmark = pytest.mark.usefixtures("both_routes")
 
 
-def make_bn(kind, affine=True, track=True, seed=0):
-    cls, shape = KINDS[kind]
-    gen = torch.Generator().manual_seed(seed)
-    bn = cls(shape[1], affine=affine, track_running_stats=track)
-    with torch.no_grad():
-        if affine:
-            bn.weight.copy_(torch.rand(shape[1], generator=gen) + 0.5)
-            bn.bias.copy_(torch.randn(shape[1], generator=gen))
-        if track:
-            bn.running_mean.copy_(torch.randn(shape[1], generator=gen))
-            bn.running_var.copy_(torch.rand(shape[1], generator=gen) + 0.5)
-    x = (torch.randn(shape, generator=gen) * 3 + 1.5)
-    return bn, x
-
-
-def reference(bn, x_low, grad_out=None):
-    """Run a float64 copy of ``bn`` on the (exactly representable) low-precision input."""
-    ref = copy.deepcopy(bn).double()
-    x = x_low.detach().double().requires_grad_()
-    out = ref(x)
-    if grad_out is not None:
-        out.backward(grad_out.double())
-    return ref, x, out
+def make_bn(kind, affine=True, track=True):
+    """The kind's module, with seeded stats, and an FP32 input whose mean is far from zero."""
+    dims, shape = KINDS[kind]
+    gen = torch.Generator().manual_seed(0)
+    bn = batch_norm(dims, shape[1], affine, track, seeded_stats=True, seed=gen)
+    return bn, seeded_input(shape, torch.float32, seed=gen, scale=3, shift=1.5)
 
 
 def run(bn, x_low, device_dtype, grad_out=None):
@@ -73,11 +56,11 @@ def test_fp32_policy_matches_fp64(kind, dtype, training, affine, track):
     bn, x = make_bn(kind, affine, track)
     bn.train(training)
     x_low = x.to(dtype)
-    ref, _, ref_out = reference(bn, x_low)
+    ref = fp64_module(bn, x_low)
     _, out = run(bn, x_low, dtype)
     assert out.dtype is torch.float32
     n = x.numel() // x.shape[1]
-    assert_near(out, ref_out, n, what="output")
+    assert_near(out, ref.out, n, what="output")
     if track:
         assert bn.running_mean.dtype is torch.float32 and bn.running_var.dtype is torch.float32
         assert_near(bn.running_mean, ref.running_mean, n, what="running mean")
@@ -88,7 +71,7 @@ def test_fp32_policy_matches_fp64(kind, dtype, training, affine, track):
 def test_fp32_policy_is_far_closer_than_native(dtype):
     bn, x = make_bn("2d")
     x_low = x.to(dtype)
-    _, _, ref_out = reference(bn, x_low)
+    ref_out = fp64_module(bn, x_low).out
     _, shim_out = run(copy.deepcopy(bn), x_low, dtype)
     amp_bn_fix.disable()
     _, native_out = run(copy.deepcopy(bn), x_low, dtype)
@@ -107,13 +90,13 @@ def test_low_precision_policies_round_once(kind, dtype, training, policy, params
     if params == "half":  # FP32 stats with half weight/bias: native kernels reject this mix
         bn.weight.data, bn.bias.data = bn.weight.data.to(dtype), bn.bias.data.to(dtype)
     x_low = x.to(dtype)
-    ref, _, ref_out = reference(bn, x_low)
+    ref = fp64_module(bn, x_low)
     amp_bn_fix.set_policy(policy)
     _, out = run(bn, x_low, dtype)
     assert out.dtype is dtype  # input dtype and autocast dtype agree here
     # An FP32 result rounded once to ``dtype``; FP32 running stats.
     n = x.numel() // x.shape[1]
-    assert_near(out, ref_out, n, what="output")
+    assert_near(out, ref.out, n, what="output")
     assert_near(bn.running_mean, ref.running_mean, n, what="running mean")
     assert_near(bn.running_var, ref.running_var, n, what="running var")
 
@@ -137,16 +120,16 @@ def test_gradients_match_fp64(kind, dtype, training, policy):
     bn.train(training)
     x_low = x.to(dtype)
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
-    ref, x_ref, _ = reference(bn, x_low, grad_out.to(dtype) if policy == "input" else grad_out)
+    ref = fp64_module(bn, x_low, grad_out.to(dtype) if policy == "input" else grad_out)
     amp_bn_fix.set_policy(policy)
     x_in, _ = run(bn, x_low, dtype, grad_out)
     assert x_in.grad.dtype is dtype and bn.weight.grad.dtype is torch.float32
     # The input gradient is stored in ``dtype``: one rounding of it. Parameter gradients are FP32
     # reductions (the reference gets the same incoming gradient, low precision under ``input``).
     n = x.numel() // x.shape[1]
-    assert_near(x_in.grad, x_ref.grad, n, what="input gradient")
-    assert_near(bn.weight.grad, ref.weight.grad, n, what="weight gradient")
-    assert_near(bn.bias.grad, ref.bias.grad, n, what="bias gradient")
+    assert_near(x_in.grad, ref.grad_input, n, what="input gradient")
+    assert_near(bn.weight.grad, ref.grad_weight, n, what="weight gradient")
+    assert_near(bn.bias.grad, ref.grad_bias, n, what="bias gradient")
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
@@ -161,20 +144,17 @@ def test_half_weight_and_bias_compute_in_fp32_and_get_their_gradients(dtype):
     out.sum().backward()
     assert out.dtype is torch.float32
     assert weight.grad.dtype is dtype and bias.grad.dtype is dtype
-    rm64, rv64 = bn.running_mean.double(), bn.running_var.double()
-    w64 = weight.detach().double().requires_grad_()
-    b64 = bias.detach().double().requires_grad_()
-    ref = ORIGINAL(x_low.double(), rm64, rv64, w64, b64, training=True)
-    ref.sum().backward()
+    ref = fp64_batch_norm(x_low, bn.running_mean, bn.running_var, weight, bias, training=True,
+                          grad_out=torch.ones_like(out))
     n = x_low.numel() // x_low.shape[1]
-    assert_near(out, ref, n, what="output")
-    assert_near(running_mean, rm64, n, what="running mean")
-    assert_near(running_var, rv64, n, what="running var")
+    assert_near(out, ref.out, n, what="output")
+    assert_near(running_mean, ref.running_mean, n, what="running mean")
+    assert_near(running_var, ref.running_var, n, what="running var")
     # FP32 reductions rounded once to the parameters' dtype; sum(x_hat) cancels to about 0, so the
     # weight gradient's error is relative to the magnitude of what it sums.
     _, _, param_scale = batch_norm_scales(x_low, weight, torch.ones_like(out))
-    assert_near(weight.grad, w64.grad, n, scale=param_scale, what="weight gradient")
-    assert_near(bias.grad, b64.grad, n, what="bias gradient")
+    assert_near(weight.grad, ref.grad_weight, n, scale=param_scale, what="weight gradient")
+    assert_near(bias.grad, ref.grad_bias, n, what="bias gradient")
 
 
 def test_running_stats_are_the_same_objects_and_stay_fp32():
@@ -187,9 +167,10 @@ def test_running_stats_are_the_same_objects_and_stay_fp32():
     assert bn.running_mean is mean and bn.running_var is var
     assert mean.dtype is torch.float32 and var.dtype is torch.float32
     # Both updates arrived, in FP32, as the float64 reference makes them.
-    mean64, var64 = before.double(), var_before.double()
+    mean64, var64 = before, var_before
     for dtype in LOW:
-        ORIGINAL(x.to(dtype).double(), mean64, var64, training=True, momentum=bn.momentum)
+        ref = fp64_batch_norm(x.to(dtype), mean64, var64, momentum=bn.momentum)
+        mean64, var64 = ref.running_mean, ref.running_var
     n = x.numel() // x.shape[1]
     assert_near(mean, mean64, n, what="running mean")
     assert_near(var, var64, n, what="running var")
@@ -201,16 +182,15 @@ def test_half_running_stats_are_updated_in_place_with_fp32_arithmetic():
     x_low = x.to(torch.bfloat16)
     mean = bn.running_mean.to(torch.bfloat16)
     var = bn.running_var.to(torch.bfloat16)
-    mean64, var64 = mean.double(), var.double()
+    ref = fp64_batch_norm(x_low, mean, var)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         F.batch_norm(x_low, mean, var, bn.weight, bn.bias, training=True)
-    ORIGINAL(x_low.double(), mean64, var64, training=True)
     assert mean.dtype is torch.bfloat16
     # The FP32 update rounded once to bfloat16 (an FP32 and a float64 value near a rounding
     # boundary may round apart: the bound allows one rounding of either).
     n = x_low.numel() // x_low.shape[1]
-    assert_near(mean, mean64, n, what="running mean")
-    assert_near(var, var64, n, what="running var")
+    assert_near(mean, ref.running_mean, n, what="running mean")
+    assert_near(var, ref.running_var, n, what="running var")
 
 
 def test_shim_and_its_fp64_reference_agree_with_numpy():
@@ -220,7 +200,7 @@ def test_shim_and_its_fp64_reference_agree_with_numpy():
     shimmed = copy.deepcopy(bn)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours = shimmed(x.to(torch.bfloat16))
-    ref, _, ref_out = reference(bn, x.to(torch.bfloat16))
+    ref = fp64_module(bn, x.to(torch.bfloat16))
     a = x.to(torch.bfloat16).double().numpy()
     mean = a.mean(axis=(0, 2, 3), keepdims=True)
     var = a.var(axis=(0, 2, 3), keepdims=True)
@@ -229,7 +209,7 @@ def test_shim_and_its_fp64_reference_agree_with_numpy():
     expected = (a - mean) / np.sqrt(var + bn.eps) * w + b
     n = a.size // a.shape[1]
     # The reference is a float64 computation of the same sums.
-    assert_near(ref_out.detach(), torch.from_numpy(expected), n, computed_in=torch.float64, what="reference output")
+    assert_near(ref.out, torch.from_numpy(expected), n, computed_in=torch.float64, what="reference output")
     running_var = 0.9 * bn.running_var.double().numpy() + 0.1 * var.ravel() * n / (n - 1)
     assert_near(ref.running_var, torch.from_numpy(running_var), n, computed_in=torch.float64, what="reference var")
     assert ours.dtype is torch.float32
