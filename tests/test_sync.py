@@ -15,13 +15,13 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 import wrapt
 from torch.nn.modules import _functions
 from torch.nn.modules import batchnorm as batchnorm_module
 
 import amp_bn_fix
 from _bounds import assert_near, batch_norm_scales
+from _builders import batch_norm, fp64_batch_norm, seeded_input
 from _shared import SUBPROCESS_TIMEOUT, child_env
 from amp_bn_fix import _patch, _state
 
@@ -59,26 +59,18 @@ def recorder(monkeypatch):
 
 
 def make(dtype=torch.float32, channels=3):
-    torch.manual_seed(0)
-    weight = (torch.rand(channels) + 0.5).to(dtype).requires_grad_()
-    bias = torch.randn(channels).to(dtype).requires_grad_()
-    mean, var = torch.randn(channels).to(dtype), (torch.rand(channels) + 0.5).to(dtype)
-    x = (torch.randn(8, channels, 4) * 3 + 1).to(torch.bfloat16).requires_grad_()
+    """A bfloat16 input and ``dtype`` weight, bias (these three requiring grad) and running stats."""
+    gen = torch.Generator().manual_seed(0)
+    bn = batch_norm(1, channels, seeded_stats=True, seed=gen)
+    weight, bias = (p.detach().to(dtype).requires_grad_() for p in (bn.weight, bn.bias))
+    mean, var = (s.to(dtype) for s in (bn.running_mean, bn.running_var))
+    x = seeded_input((8, channels, 4), torch.bfloat16, seed=gen, scale=3, shift=1).requires_grad_()
     return x, weight, bias, mean, var
 
 
 def sync_apply(x, weight, bias, mean, var):
     # Exactly how nn.SyncBatchNorm.forward calls it (through the name batchnorm.py imported).
     return batchnorm_module.sync_batch_norm.apply(x, weight, bias, mean, var, EPS, MOMENTUM, None, 2)
-
-
-def reference(x, weight, bias, mean, var):
-    """float64 batch norm of the same values; returns the output and the updated running stats."""
-    mean64, var64 = mean.detach().double(), var.detach().double()
-    out = F.batch_norm(
-        x.detach().double(), mean64, var64, weight.detach().double(), bias.detach().double(), True, MOMENTUM, EPS
-    )
-    return out, mean64, var64
 
 
 def test_install_wraps_the_sync_function_and_uninstall_restores_it():
@@ -94,7 +86,7 @@ def test_install_wraps_the_sync_function_and_uninstall_restores_it():
 )
 def test_half_input_reaches_the_sync_function_in_fp32(recorder, policy, out_dtype):
     x, weight, bias, mean, var = make()
-    expected, expected_mean, expected_var = reference(x, weight, bias, mean, var)
+    expected = fp64_batch_norm(x, mean, var, weight, bias, True, MOMENTUM, EPS)
     autocast_dtype = torch.float16 if policy == "autocast" else torch.bfloat16
     with torch.autocast("cpu", dtype=autocast_dtype), amp_bn_fix.policy(policy):
         out = sync_apply(x, weight, bias, mean, var)
@@ -105,10 +97,10 @@ def test_half_input_reaches_the_sync_function_in_fp32(recorder, policy, out_dtyp
     assert torch.equal(call["args"][0], x.detach().float())
     assert call["args"][1] is weight and call["args"][2] is bias  # FP32 params go in as they are
     assert out.dtype == out_dtype
-    assert_near(out, expected, N, what="output")
+    assert_near(out, expected.out, N, what="output")
     assert mean.dtype == var.dtype == torch.float32
-    assert_near(mean, expected_mean, N, what="running mean")
-    assert_near(var, expected_var, N, what="running var")
+    assert_near(mean, expected.running_mean, N, what="running mean")
+    assert_near(var, expected.running_var, N, what="running var")
 
 
 def test_gradients_flow_back_in_the_input_dtype(recorder):
@@ -116,28 +108,28 @@ def test_gradients_flow_back_in_the_input_dtype(recorder):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = sync_apply(x, weight, bias, mean, var)
     out.pow(2).sum().backward()
-    x64 = x.detach().double().requires_grad_()
-    w64, b64 = weight.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
-    F.batch_norm(x64, None, None, w64, b64, True, MOMENTUM, EPS).pow(2).sum().backward()
+    # The loss's gradient in float64: 2 * the float64 output.
+    out64 = fp64_batch_norm(x, None, None, weight, bias, True, MOMENTUM, EPS).out
+    expected = fp64_batch_norm(x, None, None, weight, bias, True, MOMENTUM, EPS, grad_out=2 * out64)
     assert x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
     # The loss's gradient 2 * out cancels in the input gradient (to about 0): its error is relative
     # to the magnitude of what the backward sums.
     _, input_scale, param_scale = batch_norm_scales(x, weight, 2 * out, EPS)
-    assert_near(x.grad, x64.grad, N, scale=input_scale, what="input gradient")
-    assert_near(weight.grad, w64.grad, N, scale=param_scale, what="weight gradient")
+    assert_near(x.grad, expected.grad_input, N, scale=input_scale, what="input gradient")
+    assert_near(weight.grad, expected.grad_weight, N, scale=param_scale, what="weight gradient")
 
 
 def test_half_parameters_and_stats_are_computed_in_fp32_and_written_back(recorder):
     x, weight, bias, mean, var = make(torch.bfloat16)
-    _, expected_mean, expected_var = reference(x, weight, bias, mean, var)
+    expected = fp64_batch_norm(x, mean, var, weight, bias, True, MOMENTUM, EPS)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         sync_apply(x, weight, bias, mean, var)
     (call,) = recorder.calls
     assert [t.dtype for t in call["args"]] == [torch.float32] * 5
     assert mean.dtype == torch.bfloat16  # the caller's tensors keep their dtype, updated in place
     # The FP32 update, rounded once to bfloat16.
-    assert_near(mean, expected_mean, N, what="running mean")
-    assert_near(var, expected_var, N, what="running var")
+    assert_near(mean, expected.running_mean, N, what="running mean")
+    assert_near(var, expected.running_var, N, what="running var")
 
 
 @pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")  # tests/test_record.py checks it
@@ -161,7 +153,8 @@ def test_a_half_model_trained_through_the_syncing_path_keeps_its_master(recorder
     for _ in range(3):
         with torch.autocast("cpu", dtype=torch.float16):
             sync_apply(x, weight, bias, bn.running_mean, bn.running_var)
-        F.batch_norm(x.detach().double(), mean64, var64, None, None, True, MOMENTUM, EPS)
+        expected = fp64_batch_norm(x, mean64, var64, None, None, True, MOMENTUM, EPS)
+        mean64, var64 = expected.running_mean, expected.running_var
     master = _master.peek(bn.running_mean, bn.running_var)
     assert master is not None, "the syncing path dropped the master"
     assert_near(master[0], mean64, N, what="master's running mean")
@@ -224,13 +217,13 @@ def test_real_sync_function_on_cuda(tmp_path):
         weight = (torch.rand(4, device="cuda") + 0.5).requires_grad_()
         bias = torch.randn(4, device="cuda").requires_grad_()
         mean, var = torch.zeros(4, device="cuda"), torch.ones(4, device="cuda")
-        expected, expected_mean, expected_var = reference(x, weight, bias, mean, var)
+        expected = fp64_batch_norm(x, mean, var, weight, bias, True, MOMENTUM, EPS)
         with torch.autocast("cuda", dtype=torch.float16):
             out = _functions.SyncBatchNorm.apply(x, weight, bias, mean, var, EPS, MOMENTUM, dist.group.WORLD, 1)
         assert out.dtype == torch.float32 and mean.dtype == torch.float32
-        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(mean.double(), expected_mean, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(var.double(), expected_var, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.double(), expected.out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(mean.double(), expected.running_mean, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(var.double(), expected.running_var, rtol=1e-5, atol=1e-5)
         out.sum().backward()
         assert x.grad.dtype == torch.float16 and torch.isfinite(x.grad).all()
     finally:
@@ -315,8 +308,9 @@ def _replayed(steps):
     after, magnitude = [], 0.0
     for calls in steps:
         x = _union(calls)
-        F.batch_norm(x, mean, var, None, None, True, MOMENTUM, EPS)
-        after.append((mean.clone(), var.clone()))
+        expected = fp64_batch_norm(x, mean, var, None, None, True, MOMENTUM, EPS)
+        mean, var = expected.running_mean, expected.running_var
+        after.append((mean, var))
         magnitude = max(magnitude, x.abs().max().item())
     return after, magnitude
 
@@ -356,14 +350,11 @@ def test_sync_batchnorm_trains_across_two_ranks_in_fp32(ranks):
 
             # The output and the input gradient: one float64 batch norm over the union of the batches,
             # its gradient from every rank's output gradient (SyncBatchNorm all-reduces their sums).
-            x64 = x.clone().requires_grad_()
-            w64, b64 = weight.double(), bias.double()
-            out64 = F.batch_norm(x64, None, None, w64, b64, True, MOMENTUM, EPS)
             grad_out = _union(calls, "grad_out")
-            out64.backward(grad_out)
+            exact = fp64_batch_norm(x, None, None, weight, bias, True, MOMENTUM, EPS, grad_out=grad_out)
             out_scale, input_scale, _ = batch_norm_scales(x, weight, grad_out, EPS)
             rows = [call["x"].shape[0] for call in calls]
-            for call, out_rows, grad_rows in zip(calls, out64.detach().split(rows), x64.grad.split(rows)):
+            for call, out_rows, grad_rows in zip(calls, exact.out.split(rows), exact.grad_input.split(rows)):
                 assert_near(call["out"], out_rows, n, scale=out_scale, what=f"bn {bn}: output")
                 assert call["grad_in"].dtype == torch.bfloat16  # back in the input's dtype
                 assert_near(call["grad_in"], grad_rows, n, scale=input_scale, what=f"bn {bn}: input gradient")
