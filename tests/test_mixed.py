@@ -9,27 +9,20 @@ from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near, assert_within, same_computation_bound
-from _shared import ORIGINAL
+from _builders import batch_norm, fp64_batch_norm, seeded_input
 
 HALF = [torch.float16, torch.bfloat16]
 C = 6
 N = 32 * 5  # values per channel in _tensors' input
 
 
-def _tensors(dtype, affine_dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = (3 + 2 * torch.randn(32, C, 5, generator=g)).to(dtype)
-    mean, var = torch.randn(C, generator=g), 1 + torch.rand(C, generator=g)
-    weight, bias = (1 + torch.rand(C, generator=g)).to(affine_dtype), torch.randn(C, generator=g).to(affine_dtype)
-    return x, mean, var, weight, bias
-
-
-def _fp64_reference(x, mean, var, weight, bias, training, momentum=0.1, eps=1e-5):
-    """F.batch_norm in float64 on the very same values (a float64 call is not handled by the shim)."""
-    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, weight, bias))
-    mean64, var64 = mean.double(), var.double()
-    out = F.batch_norm(x64, mean64, var64, w64, b64, training, momentum, eps)
-    return out, mean64, var64, (x64, w64, b64)
+def _tensors(dtype, affine_dtype):
+    """A ``dtype`` input far from zero mean, FP32 running stats, ``affine_dtype`` weight and bias."""
+    gen = torch.Generator().manual_seed(0)
+    x = seeded_input((32, C, 5), dtype, seed=gen, scale=2, shift=3)
+    bn = batch_norm(1, C, seeded_stats=True, seed=gen)
+    weight, bias = (p.detach().to(affine_dtype) for p in (bn.weight, bn.bias))
+    return x, bn.running_mean, bn.running_var, weight, bias
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -46,14 +39,14 @@ def test_torch_natively_rejects_half_input_fp32_stats_half_affine(autocast):
 @pytest.mark.parametrize("dtype", HALF)
 def test_mixed_call_outside_autocast_keeps_input_dtype_with_fp32_numerics(dtype, training):
     x, mean, var, weight, bias = _tensors(dtype, dtype)
-    ref, ref_mean, ref_var, _ = _fp64_reference(x, mean, var, weight, bias, training)
+    ref = fp64_batch_norm(x, mean, var, weight, bias, training)
     out = F.batch_norm(x, mean, var, weight, bias, training)
     assert out.dtype == dtype
     # FP32 arithmetic, one rounding to the input's dtype; the FP32 running stats updated in FP32.
-    assert_near(out, ref, N, what="output")
+    assert_near(out, ref.out, N, what="output")
     assert mean.dtype == torch.float32
-    assert_near(mean, ref_mean, N, what="running mean")
-    assert_near(var, ref_var, N, what="running var")
+    assert_near(mean, ref.running_mean, N, what="running mean")
+    assert_near(var, ref.running_var, N, what="running var")
 
 
 @pytest.mark.parametrize(
@@ -63,12 +56,12 @@ def test_mixed_call_outside_autocast_keeps_input_dtype_with_fp32_numerics(dtype,
 def test_mixed_call_under_autocast_follows_the_policy(policy, expected):
     # A bfloat16 input under float16 autocast tells "input" and "autocast" apart.
     x, mean, var, weight, bias = _tensors(torch.bfloat16, torch.bfloat16)
-    ref, ref_mean, _, _ = _fp64_reference(x, mean, var, weight, bias, True)
+    ref = fp64_batch_norm(x, mean, var, weight, bias, True)
     with torch.autocast("cpu", dtype=torch.float16), amp_bn_fix.policy(policy):
         out = F.batch_norm(x, mean, var, weight, bias, True)
     assert out.dtype == expected
-    assert_near(out, ref, N, what="output")
-    assert_near(mean, ref_mean, N, what="running mean")
+    assert_near(out, ref.out, N, what="output")
+    assert_near(mean, ref.running_mean, N, what="running mean")
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -83,11 +76,10 @@ def test_half_weight_gradients_reach_the_half_parameters(dtype, autocast):
     # The gradient as the output receives it: a half output rounds it to half.
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     out.backward(upstream)
-    ref, _, _, leaves = _fp64_reference(x, mean, var, weight, bias, True)
-    ref.backward(upstream.double())
-    for tensor, leaf in zip((x, weight, bias), leaves):
+    ref = fp64_batch_norm(x, mean, var, weight, bias, True, grad_out=upstream)
+    for tensor, exact in zip((x, weight, bias), (ref.grad_input, ref.grad_weight, ref.grad_bias)):
         assert tensor.grad.dtype == dtype
-        assert_near(tensor.grad, leaf.grad, N, what="gradient")
+        assert_near(tensor.grad, exact, N, what="gradient")
 
 
 @pytest.mark.parametrize("keep", ["stats", "all"])
@@ -112,13 +104,14 @@ def test_half_model_trains_and_evaluates_outside_autocast(dtype, keep):
     assert model(x).dtype == dtype
     (train_in, train_out), (eval_in, eval_out) = calls
     n = train_in.numel() // C
-    weight, bias = bn.weight.detach().double(), bn.bias.detach().double()
     # Each call against float64 on the very same half input; the running stats FP32-accurate (ones
     # rounded through 16 bits would be off by 18 to 125 times the bound).
-    assert_near(train_out, ORIGINAL(train_in.double(), *stats64, weight, bias, True, bn.momentum, bn.eps), n)
-    assert_near(bn.running_mean, stats64[0], n, what="running mean")
-    assert_near(bn.running_var, stats64[1], n, what="running var")
-    assert_near(eval_out, ORIGINAL(eval_in.double(), *stats64, weight, bias, False, bn.momentum, bn.eps), n)
+    train = fp64_batch_norm(train_in, *stats64, bn.weight, bn.bias, True, bn.momentum, bn.eps)
+    assert_near(train_out, train.out, n)
+    assert_near(bn.running_mean, train.running_mean, n, what="running mean")
+    assert_near(bn.running_var, train.running_var, n, what="running var")
+    stats64 = train.running_mean, train.running_var
+    assert_near(eval_out, fp64_batch_norm(eval_in, *stats64, bn.weight, bn.bias, False, bn.momentum, bn.eps).out, n)
 
 
 # --- an FP32 input next to 16-bit weights or stats -------------------------------------------------
@@ -158,18 +151,16 @@ def test_an_fp32_input_next_to_a_half_models_weights_is_computed_under_autocast(
     assert bn_input.dtype is torch.float32  # what the fp32 policy handed on
     assert out.dtype is torch.float32
     # float64 reference on the very input, with the module's 16-bit weight and stats as values.
-    mean64, var64 = before
-    expected = ORIGINAL(bn_input.double(), mean64, var64, last.weight.double(), last.bias.double(), training,
-                        last.momentum, last.eps)
+    expected = fp64_batch_norm(bn_input, *before, last.weight, last.bias, training, last.momentum, last.eps)
     n = bn_input.numel() // bn_input.shape[1]
-    assert_near(out, expected, n, what="output")
+    assert_near(out, expected.out, n, what="output")
     if training:
         from amp_bn_fix import _master
 
         master = _master.peek(last.running_mean, last.running_var)
         assert master is not None and last.running_mean.dtype is dtype
-        assert_near(master[0], mean64, n, what="running mean (master)")
-        assert_near(master[1], var64, n, what="running var (master)")
+        assert_near(master[0], expected.running_mean, n, what="running mean (master)")
+        assert_near(master[1], expected.running_var, n, what="running var (master)")
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
@@ -252,17 +243,11 @@ def test_transforms_decide_autocast_as_autocast_does(transform, policy, half_mod
     """Under every transform, ``vmap`` included, a 16-bit input with CPU autocast enabled gets the
     policy; under the policy ``off`` the result is plain torch's."""
     dtype = torch.bfloat16
-    torch.manual_seed(0)
-    bn = nn.BatchNorm2d(C).eval()
-    with torch.no_grad():
-        bn.weight.uniform_(0.5, 1.5)
-        bn.bias.uniform_(-0.5, 0.5)
-        bn.running_mean.uniform_(-1, 1)
-        bn.running_var.uniform_(0.5, 2)
+    bn = batch_norm(2, C, seeded_stats=True).eval()
     stats = bn.running_mean.double(), bn.running_var.double()
     if half_model:
         bn = bn.to(dtype)  # its master holds the FP32 stats
-    x = (torch.randn(4, C, 3, 3, generator=torch.Generator().manual_seed(1)) * 2 + 1).to(dtype)
+    x = seeded_input((4, C, 3, 3), dtype, scale=2, shift=1)
     if half_model and transform in ("grad", "jacrev", "vmap"):
         # Traced by a transform, the computation reads the buffers, not the master (docs/configuration.md).
         stats = bn.running_mean.double(), bn.running_var.double()
@@ -273,7 +258,7 @@ def test_transforms_decide_autocast_as_autocast_does(transform, policy, half_mod
         return
     with torch.autocast("cpu", dtype=dtype), amp_bn_fix.policy(policy):
         out = _in_transform(transform, bn, x)
-    reference = ORIGINAL(x.double(), *stats, bn.weight.double(), bn.bias.double(), False, 0.1, bn.eps)
+    reference = fp64_batch_norm(x, *stats, bn.weight, bn.bias, False, 0.1, bn.eps).out
     if policy == "off":
         with amp_bn_fix._patch.uninstalled(), torch.autocast("cpu", dtype=dtype):
             expected = _in_transform(transform, bn, x)
