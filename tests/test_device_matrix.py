@@ -13,40 +13,44 @@ import torch.nn.functional as F
 from torch import nn
 
 from _bounds import assert_near
-from _shared import ORIGINAL, computed_stats
+from _builders import batch_norm, fp64_batch_norm, seeded_input
+from _shared import computed_stats
 from amp_bn_fix import _master
 
 C = 6
+
+
+def _instance_norm():
+    """InstanceNorm2d with running stats and seeded parameters and stats (not a BatchNorm: no shared builder)."""
+    gen = torch.Generator().manual_seed(0)
+    m = nn.InstanceNorm2d(C, affine=True, track_running_stats=True)
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5, generator=gen)
+        m.bias.uniform_(-0.5, 0.5, generator=gen)
+        m.running_mean.uniform_(-1, 1, generator=gen)
+        m.running_var.uniform_(0.5, 2, generator=gen)
+    return m
+
+
 KINDS = {
-    "bn1d": (lambda: nn.BatchNorm1d(C), (8, C, 5), None),
-    "bn2d": (lambda: nn.BatchNorm2d(C), (8, C, 5, 5), None),
-    "bn2d-channels_last": (lambda: nn.BatchNorm2d(C), (8, C, 5, 5), torch.channels_last),
-    "bn3d": (lambda: nn.BatchNorm3d(C), (4, C, 3, 4, 4), None),
-    "bn2d-affine-false": (lambda: nn.BatchNorm2d(C, affine=False), (8, C, 5, 5), None),
-    "instance2d": (lambda: nn.InstanceNorm2d(C, affine=True, track_running_stats=True), (8, C, 5, 5), None),
+    "bn1d": (lambda: batch_norm(1, C, seeded_stats=True), (8, C, 5), "contiguous"),
+    "bn2d": (lambda: batch_norm(2, C, seeded_stats=True), (8, C, 5, 5), "contiguous"),
+    "bn2d-channels_last": (lambda: batch_norm(2, C, seeded_stats=True), (8, C, 5, 5), "channels_last"),
+    "bn3d": (lambda: batch_norm(3, C, seeded_stats=True), (4, C, 3, 4, 4), "contiguous"),
+    "bn2d-affine-false": (lambda: batch_norm(2, C, affine=False, seeded_stats=True), (8, C, 5, 5), "contiguous"),
+    "instance2d": (_instance_norm, (8, C, 5, 5), "contiguous"),
 }
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def _module(kind, dtype, half_model, device):
-    make, _, _ = KINDS[kind]
-    torch.manual_seed(0)
-    m = make()
-    with torch.no_grad():
-        if m.weight is not None:
-            m.weight.uniform_(0.5, 1.5)
-            m.bias.uniform_(-0.5, 0.5)
-        m.running_mean.uniform_(-1, 1)
-        m.running_var.uniform_(0.5, 2)
-    return m.to(device, dtype if half_model else torch.float32)
-
-
 def _reference(m, x, stats, training):
-    w = None if m.weight is None else m.weight.detach().double()
-    b = None if m.bias is None else m.bias.detach().double()
+    """The float64 output of ``m(x)`` computed with ``stats``, and the stats after the call."""
     if isinstance(m, nn.InstanceNorm2d):
-        return F.instance_norm(x.double(), *stats, w, b, use_input_stats=training, momentum=m.momentum, eps=m.eps)
-    return ORIGINAL(x.double(), *stats, w, b, training, m.momentum, m.eps)
+        w, b = m.weight.detach().double(), m.bias.detach().double()
+        out = F.instance_norm(x.double(), *stats, w, b, use_input_stats=training, momentum=m.momentum, eps=m.eps)
+        return out, stats  # updated in place
+    ref = fp64_batch_norm(x, *stats, m.weight, m.bias, training, m.momentum, m.eps)
+    return ref.out, (ref.running_mean, ref.running_var)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -58,18 +62,16 @@ def _reference(m, x, stats, training):
 def test_every_norm_module_under_every_policy(both_routes, dtype, kind, half_model, policy, training, device):
     import amp_bn_fix
 
-    m = _module(kind, dtype, half_model, device).train(training)
-    _, shape, layout = KINDS[kind]
-    x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 2 + 1).to(device, dtype)
-    if layout is not None:
-        x = x.contiguous(memory_format=layout)
+    make, shape, layout = KINDS[kind]
+    m = make().to(device, dtype if half_model else torch.float32).train(training)
+    x = seeded_input(shape, dtype, scale=2, shift=1, layout=layout).to(device)
     stats = tuple(s.double() for s in computed_stats(m))
     with torch.autocast(device, dtype=dtype), amp_bn_fix.policy(policy):
         out = m(x)
-    expected = _reference(m, x, stats, training)
+    expected, stats = _reference(m, x, stats, training)
     assert out.dtype is (torch.float32 if policy == "fp32" else dtype)
-    if layout is not None:
-        assert out.is_contiguous(memory_format=layout)
+    if layout == "channels_last":
+        assert out.is_contiguous(memory_format=torch.channels_last)
     n = x.numel() // C
     assert_near(out, expected, n, what="output")
     got = tuple(s.double() for s in computed_stats(m))
