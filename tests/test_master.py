@@ -10,10 +10,10 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near
+from _builders import fp64_batch_norm, half_model, seeded_input
 from _shared import ORIGINAL
 from amp_bn_fix import _master
 
@@ -22,15 +22,10 @@ C = 6
 
 
 def _model(dtype):
-    torch.manual_seed(0)
-    bn = nn.BatchNorm2d(C)
-    with torch.no_grad():
-        bn.weight.uniform_(0.5, 1.5)
-        bn.bias.uniform_(-0.5, 0.5)
-    bn = bn.to(dtype)
+    bn = half_model(dtype, 2, C)
     # A few training steps under autocast: the master now holds more than its buffers show.
     for step in range(3):
-        x = torch.randn(8, C, 5, 5, generator=torch.Generator().manual_seed(step)).to(dtype) * 0.5 + 1.3
+        x = seeded_input((8, C, 5, 5), dtype, seed=step, scale=0.5, shift=1.3)
         with torch.autocast("cpu", dtype=dtype):
             bn(x)
     assert not torch.equal(_master.peek(bn.running_mean, bn.running_var)[1].to(dtype).float(),
@@ -92,7 +87,7 @@ def _write_reset(bn):
 
 def _write_by_torch(bn):
     # torch's own 16-bit update, where the shim steps aside.
-    x = torch.randn(8, C, 5, 5, generator=torch.Generator().manual_seed(9)).to(bn.weight.dtype) * 3 + 2
+    x = seeded_input((8, C, 5, 5), bn.weight.dtype, seed=9, scale=3, shift=2)
     with amp_bn_fix.policy("off"):
         bn(x)
     return bn
@@ -113,7 +108,7 @@ WRITES = {
 
 
 def _input(dtype):
-    return (torch.randn(8, C, 5, 5, generator=torch.Generator().manual_seed(11)) * 0.5 + 1).to(dtype)
+    return seeded_input((8, C, 5, 5), dtype, seed=11, scale=0.5, shift=1)
 
 
 def _eval_plain(bn, written):
@@ -129,10 +124,9 @@ def _eval_autocast(bn, written):
     x = _input(bn.weight.dtype)
     with torch.autocast("cpu", dtype=bn.weight.dtype):
         out = bn.eval()(x)
-    expected = ORIGINAL(x.double(), written[0].double(), written[1].double(), bn.weight.double(),
-                        bn.bias.double(), False, 0.1, bn.eps)
+    expected = fp64_batch_norm(x, *written, bn.weight, bn.bias, False, 0.1, bn.eps)
     assert out.dtype is torch.float32
-    assert_near(out, expected, 1)
+    assert_near(out, expected.out, 1)
 
 
 def _train_step(autocast):
@@ -141,8 +135,8 @@ def _train_step(autocast):
         x = _input(bn.weight.dtype)
         with torch.autocast("cpu", dtype=bn.weight.dtype, enabled=autocast):
             bn.train()(x)
-        mean64, var64 = written[0].double(), written[1].double()
-        ORIGINAL(x.double(), mean64, var64, None, None, True, 0.1, bn.eps)
+        expected = fp64_batch_norm(x, *written, None, None, True, 0.1, bn.eps)
+        mean64, var64 = expected.running_mean, expected.running_var
         master = _master.peek(bn.running_mean, bn.running_var)
         assert master is not None
         n = x.numel() // C
@@ -202,13 +196,13 @@ def test_buffers_given_another_shape_through_data_start_a_new_master(both_routes
     for name in ("weight", "bias", "running_mean", "running_var"):
         getattr(bn, name).data = getattr(bn, name).data[keep].clone()
     written = (bn.running_mean.detach().clone(), bn.running_var.detach().clone())
-    x = torch.randn(8, len(keep), 5, 5, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x = seeded_input((8, len(keep), 5, 5), dtype, seed=3)
     with torch.autocast("cpu", dtype=dtype):
         out = bn.train()(x)
-    mean64, var64 = written[0].double(), written[1].double()
-    expected = ORIGINAL(x.double(), mean64, var64, bn.weight.double(), bn.bias.double(), True, 0.1, bn.eps)
+    expected = fp64_batch_norm(x, *written, bn.weight, bn.bias, True, 0.1, bn.eps)
     n = x.numel() // len(keep)
-    assert_near(out, expected, n, what="output")
+    assert_near(out, expected.out, n, what="output")
     master = _master.peek(bn.running_mean, bn.running_var)
     assert master.shape == (2, len(keep))
+    var64 = expected.running_var
     assert_near(master[1], var64, n, scale=var64.abs().max().item(), what="var")
