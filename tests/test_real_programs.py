@@ -24,6 +24,7 @@ from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near, assert_within, fp32_bound, rounding_bound, same_computation_bound
+from _builders import batch_norm, fp64_batch_norm, seeded_input
 from _shared import ORIGINAL, assert_stats_replayed, record_inputs
 from amp_bn_fix import _config, _patch, _state
 
@@ -128,13 +129,13 @@ def scripted_runs(script=True):
 
 def fp64_runs():
     """``scripted_runs``' results computed in float64 on the same values."""
-    x = image().to(BF16).double()
+    x = image().to(BF16)
     results = []
     for training in (True, False):
-        w = torch.rand(3, generator=torch.Generator().manual_seed(2)).to(BF16).double()
-        for weight in (w, torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)):
-            rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
-            results += [ORIGINAL(x, rm, rv, weight, torch.zeros(3, dtype=torch.float64), training, 0.1, 1e-5), rm, rv]
+        w = torch.rand(3, generator=torch.Generator().manual_seed(2)).to(BF16)
+        for weight in (w, torch.ones(3), torch.ones(3)):
+            ref = fp64_batch_norm(x, torch.zeros(3), torch.ones(3), weight, torch.zeros(3), training, 0.1, 1e-5)
+            results += [ref.out, ref.running_mean, ref.running_var]
     return results
 
 
@@ -476,15 +477,11 @@ def bn_step(x, rm, rv, w, b, training=True):
 
 
 def bn_args():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(4, 8, 16, 16, generator=g).to(BF16)
-    return x, torch.zeros(8), torch.ones(8), torch.rand(8, generator=g) + 0.5, torch.rand(8, generator=g)
-
-
-def fp64_reference(x, rm, rv, w, b, training):
-    rm, rv = rm.double(), rv.double()
-    out = ORIGINAL(x.double(), rm, rv, w.double(), b.double(), training, 0.1, 1e-5)
-    return out, rm, rv
+    """``bn_step``'s arguments: a bfloat16 input, fresh FP32 running stats, FP32 weight and bias."""
+    gen = torch.Generator().manual_seed(3)
+    x = seeded_input((4, 8, 16, 16), BF16, seed=gen)
+    bn = batch_norm(2, 8, seed=gen)
+    return x, bn.running_mean, bn.running_var, bn.weight.detach(), bn.bias.detach()
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
@@ -494,12 +491,12 @@ def test_make_fx_graph_updates_the_stats_and_matches_fp64(training):
     graph = make_fx(functools.partial(bn_step, training=training))(*bn_args())
     args = bn_args()
     out = graph(*args)
-    ref_out, ref_rm, ref_rv = fp64_reference(*bn_args(), training)
+    ref = fp64_batch_norm(*bn_args(), training)
     assert out.dtype is torch.float32
     n = args[0][:, 0].numel()
-    assert_near(out, ref_out, n, what="output")
-    assert_near(args[1], ref_rm, n, what="running mean")
-    assert_near(args[2], ref_rv, n, what="running var")
+    assert_near(out, ref.out, n, what="output")
+    assert_near(args[1], ref.running_mean, n, what="running mean")
+    assert_near(args[2], ref.running_var, n, what="running var")
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
@@ -732,14 +729,14 @@ def test_vmap_ensemble_of_half_models_trains_like_plain_torch():
     for i, (model, x) in enumerate(zip(models, xs)):
         conv, bn = model[0], model[1]
         y = plain_torch(lambda: conv(x)).detach().double()  # what the BatchNorm was given: a half conv's output
-        rm, rv = torch.zeros(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)
-        expected = ORIGINAL(y, rm, rv, bn.weight.double(), bn.bias.double(), True, 0.1, 1e-5)
+        expected = fp64_batch_norm(y, torch.zeros(8), torch.ones(8), bn.weight, bn.bias, True, 0.1, 1e-5)
         n = y[:, 0].numel()
         # The output is plain torch's half kernel's (as ``plain_out``): a few roundings of float16.
-        assert_within(out[i], expected, same_computation_bound(expected, {torch.float16: 4}), what="output")
-        assert_near(buffers["1.running_mean"][i], rm, n, what="running mean")
-        assert_near(buffers["1.running_var"][i], rv, n, what="running var")
-        assert_near(plain_buffers["1.running_mean"][i], rm, n, what="plain torch's running mean")
+        bound = same_computation_bound(expected.out, {torch.float16: 4})
+        assert_within(out[i], expected.out, bound, what="output")
+        assert_near(buffers["1.running_mean"][i], expected.running_mean, n, what="running mean")
+        assert_near(buffers["1.running_var"][i], expected.running_var, n, what="running var")
+        assert_near(plain_buffers["1.running_mean"][i], expected.running_mean, n, what="plain torch's running mean")
 
 
 # --- 9. torch's errors, not ours -------------------------------------------------------------------
