@@ -2,7 +2,6 @@
 
 import contextlib
 import re
-import copy
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near, assert_within, fp32_bound, unit_roundoff
+from _builders import fp64_batch_norm
 from _shared import computed_stats, guarded_update
 
 C = 8
@@ -38,13 +38,6 @@ def _bn(seed=0):
 
 def _stats(bn):
     return bn.running_mean.detach().clone(), bn.running_var.detach().clone()
-
-
-def _fp64_update(stats, x, momentum=0.1):
-    """Running stats after one training step, computed in float64 on the same input values."""
-    mean, var = (s.double().clone() for s in stats)
-    F.batch_norm(x.double(), mean, var, training=True, momentum=momentum)
-    return mean, var
 
 
 # Every kind of call the shim handles: (how to prepare the module, input dtype, under autocast).
@@ -87,10 +80,10 @@ def test_non_finite_batch_leaves_stats_exactly_and_next_batch_updates(case, bad)
     good = _batch(2, dtype)
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
         bn(good)
-    want_mean, want_var = _fp64_update(computed, good)
+    want = fp64_batch_norm(good, *computed)
     mean, var = computed_stats(bn)
-    assert_near(mean, want_mean, N, what="running mean")
-    assert_near(var, want_var, N, what="running var")
+    assert_near(mean, want.running_mean, N, what="running mean")
+    assert_near(var, want.running_var, N, what="running var")
     # A half model's buffers hold its master rounded once.
     assert torch.equal(bn.running_mean, mean.to(bn.running_mean.dtype))
 
@@ -151,10 +144,7 @@ def test_backward_with_the_guard(case, guard):
     """No tensor saved for backward is modified in place afterwards (as torch's kernels do)."""
     amp_bn_fix.configure(guard=guard)
     bn, dtype, autocast = _prepare(case)
-    reference = copy.deepcopy(_bn()).double()
-    with torch.no_grad():  # from the stats the shim computes with (rounded by a cast without a master)
-        for stat, value in zip((reference.running_mean, reference.running_var), computed_stats(bn)):
-            stat.copy_(value)
+    stats = computed_stats(bn)  # the stats the shim computes with (rounded by a cast without a master)
     x = _batch(3, dtype)
     upstream = torch.randn(32, C, generator=torch.Generator().manual_seed(4))
     with torch.autocast("cpu", dtype=dtype, enabled=autocast):
@@ -162,19 +152,20 @@ def test_backward_with_the_guard(case, guard):
         out = bn(x) + bn(_batch(5, dtype))
     upstream = upstream.to(out.dtype)  # the gradient as the half output receives it
     out.backward(upstream)
-    ref = reference(x.double()) + reference(_batch(5, dtype).double())
-    ref.backward(upstream.double())
+    # The second forward normalizes with the batch's statistics, and updates the stats the first left.
+    branches = []
+    for batch in (x, _batch(5, dtype)):
+        branches.append(fp64_batch_norm(batch, *stats, bn.weight, bn.bias, grad_out=upstream))
+        stats = branches[-1].running_mean, branches[-1].running_var
     # The parameters accumulate the two branches' gradients, each rounded to their dtype: a
     # rounding of each branch's value on top of the FP32 sums and the rounding of their sum.
-    branches = [copy.deepcopy(_bn()).double() for _ in range(2)]
-    for branch, batch in zip(branches, (x, _batch(5, dtype))):
-        branch(batch.double()).backward(upstream.double())
     for name in ("weight", "bias"):
-        grad, exact = getattr(bn, name).grad, getattr(reference, name).grad
-        each = sum(getattr(branch, name).grad.abs() for branch in branches)
+        grad = getattr(bn, name).grad
+        exact = sum(getattr(branch, f"grad_{name}") for branch in branches)
+        each = sum(getattr(branch, f"grad_{name}").abs() for branch in branches)
         bound = fp32_bound(exact, N, grad.dtype, scale=each.max().item()) + unit_roundoff(grad.dtype) * each
         assert_within(grad, exact, bound, what=f"{name} gradient")
-    assert_near(computed_stats(bn)[1], reference.running_var, N, what="running var")
+    assert_near(computed_stats(bn)[1], stats[1], N, what="running var")
 
 
 @pytest.mark.parametrize("guard", [True, False])
@@ -221,7 +212,8 @@ def test_guard_compiles_with_fullgraph(backend):
                 out = compiled(x)
                 out.sum().backward()
                 if bad is None:
-                    stats = _fp64_update(stats, x)
+                    ref = fp64_batch_norm(x, *stats)
+                    stats = ref.running_mean, ref.running_var
                     assert torch.isfinite(out).all()
                 else:
                     assert not torch.isfinite(out).all()
