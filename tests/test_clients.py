@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import amp_bn_fix
 from _bounds import assert_near, assert_within, fp32_bound, rounding_bound, same_computation_bound
+from _builders import fp64_module
 from _shared import SUBPROCESS_TIMEOUT, child_env
 from bn_probe import BatchNormAct2d, Watch, bn_modules, mobilenet, resnet
 
@@ -153,9 +154,8 @@ def test_batchnorm_subclass_calling_f_batch_norm_itself(training):
         bn.bias.copy_(torch.linspace(-1, 1, 8))
     bn.train(training)
     x = (torch.randn(8, 8, 6, 6, generator=torch.Generator().manual_seed(2)) * 20 + 50).to(torch.bfloat16)
-    mean64, var64 = bn.running_mean.double(), bn.running_var.double()
-    normalized = F.batch_norm(x.double(), mean64, var64, bn.weight.detach().double(), bn.bias.detach().double(),
-                              training, bn.momentum, bn.eps)
+    ref = fp64_module(bn, x)
+    normalized = ref.out
     expected = F.silu(normalized)
     n = x[:, 0].numel()
     for policy in POLICIES:
@@ -170,8 +170,8 @@ def test_batchnorm_subclass_calling_f_batch_norm_itself(training):
             bound = bound + rounding_bound(normalized.abs(), {out.dtype: 2})
         assert_within(out, expected, bound, what=policy)
         assert module.running_mean.dtype == module.running_var.dtype == torch.float32
-        assert_near(module.running_mean, mean64, n, what=f"{policy} running mean")
-        assert_near(module.running_var, var64, n, what=f"{policy} running var")
+        assert_near(module.running_mean, ref.running_mean, n, what=f"{policy} running mean")
+        assert_near(module.running_var, ref.running_var, n, what=f"{policy} running var")
 
 
 @pytest.mark.slow
