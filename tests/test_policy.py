@@ -11,7 +11,7 @@ import amp_bn_fix
 from _bounds import assert_near, batch_norm_scales
 from _builders import batch_norm, fp64_batch_norm, fp64_module, seeded_input
 from _shared import ORIGINAL
-from amp_bn_fix import _plan, _state
+from amp_bn_fix import _plan
 
 LOW = [torch.float16, torch.bfloat16]
 # (dimensions, input shape): BatchNorm1d takes (N, C) and (N, C, L).
@@ -245,4 +245,4 @@ def test_policy_logic_is_stateless_and_device_agnostic():
     meta = _plan.bind(torch.zeros(2, 3, dtype=torch.bfloat16, device="meta"), None, None)
     with torch.autocast("cpu", dtype=torch.float16):
         assert out_dtype("fp32", meta) is None  # autocast is on for cpu, not meta
-    assert _state.policy() == "fp32"
+    assert amp_bn_fix.get_policy() == "fp32"
