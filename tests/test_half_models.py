@@ -14,11 +14,11 @@ import pickle
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near
+from _builders import fp64_batch_norm
 from _shared import ORIGINAL
 from bn_probe import Watch, bn_modules
 from amp_bn_fix import _master, _patch
@@ -193,10 +193,10 @@ def _train(model, steps, dtype, autocast):
 def _replay(bn_inputs, dtype):
     """The running stats in float64 after the same training calls, from the same starting stats."""
     start = cast(conv_bn, "none", "half", dtype, shim=False)[1]
-    mean, var = start.running_mean.double(), start.running_var.double()
-    with _patch.uninstalled():
-        for x in bn_inputs:
-            F.batch_norm(x.double(), mean, var, None, None, True, 0.1, 1e-5)
+    mean, var = start.running_mean, start.running_var
+    for x in bn_inputs:
+        ref = fp64_batch_norm(x, mean, var, None, None, True, 0.1, 1e-5)
+        mean, var = ref.running_mean, ref.running_var
     return mean, var
 
 
@@ -268,9 +268,8 @@ def test_eval_of_a_half_model_reads_the_master(keep):
         out = bn(x)
     if keep == "master":
         master = _master.peek(bn.running_mean, bn.running_var)
-        expected = ORIGINAL(x.double(), master[0].double(), master[1].double(),
-                            bn.weight.double(), bn.bias.double(), False, 0.1, bn.eps)
-        assert_near(out, expected, 4 * 8 * 8)
+        expected = fp64_batch_norm(x, *master, bn.weight, bn.bias, False, 0.1, bn.eps)
+        assert_near(out, expected.out, 4 * 8 * 8)
     assert out.dtype is torch.float32
 
 
@@ -346,9 +345,7 @@ def test_outside_autocast_a_float16_model_whose_variance_overflowed_evaluates_wi
     bn.eval()
     out = bn(x)
     if both_routes == "host":
-        expected = ORIGINAL(x.double(), master[0].double(), master[1].double(), bn.weight.double(),
-                            bn.bias.double(), False, 0.1, bn.eps)
-        assert_near(out, expected, 1)
+        assert_near(out, fp64_batch_norm(x, *master, bn.weight, bn.bias, False, 0.1, bn.eps).out, 1)
     else:  # no host read there: the buffers, as plain torch reads them
         expected = ORIGINAL(x, bn.running_mean.clone(), bn.running_var.clone(), bn.weight, bn.bias, False, 0.1, bn.eps)
         assert torch.equal(out, expected)
