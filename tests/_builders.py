@@ -2,8 +2,9 @@
 
 ``batch_norm`` is a BatchNorm1d/2d/3d with seeded parameters (and, on request, running stats) that
 are not the identity, so a mix-up of weight, bias, mean or variance shows; ``half_model`` is one
-cast to 16 bits as ``model.half()`` casts it. ``seeded_input`` is an input drawn from its own
-generator in a memory layout. ``fp64_batch_norm`` is torch's batch norm run in float64 on the very
+cast to 16 bits as ``model.half()`` casts it. ``seeded_input`` is a seeded input in a memory
+layout. Each draws from its own generator, or from one the caller shares between them, never from
+torch's global one. ``fp64_batch_norm`` is torch's batch norm run in float64 on the very
 same values (a float64 call is never handled by the shim), ``fp64_module`` the same with a
 module's parameters, stats and flags.
 """
@@ -22,6 +23,7 @@ Seed = Union[int, torch.Generator]
 
 
 def _generator(seed: Seed) -> torch.Generator:
+    # Never torch's global generator: a test's values do not depend on what ran before it.
     return seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
 
 
@@ -30,7 +32,6 @@ def batch_norm(dims: int, channels: int, affine: bool = True, track_running_stat
     """A ``BatchNorm{dims}d(channels)`` with weight in [0.5, 1.5) and a standard normal bias, and with
     ``seeded_stats`` a standard normal running mean and a running var in [0.5, 1.5) instead of zeros
     and ones. ``seed``: an int, or a generator to go on drawing from (the input's, say)."""
-    # Its own generator: building a module leaves the global random state alone.
     gen = _generator(seed)
     bn = BATCH_NORMS[dims](channels, affine=affine, track_running_stats=track_running_stats)
     with torch.no_grad():
