@@ -66,7 +66,7 @@ class Session:
     restored.
     """
 
-    __slots__ = ("call", "plan", "original", "eager", "host", "native", "mean", "var", "_stats", "_values", "_update",
+    __slots__ = ("call", "plan", "original", "eager", "host", "native", "mean", "var", "_stats", "_held", "_update",
                  "_token", "_autocast")
 
     def __init__(self, original: Original, call: Tuple[Any, ...], plan: Plan, native: bool) -> None:
@@ -86,13 +86,13 @@ class Session:
         update = bool(training) and running_mean is not None and running_var is not None
         self.call, self.plan, self.original = call, plan, original
         self.eager, self.host, self.native = eager, host, native
-        self._update, self._token, self._values = update, None, None
+        self._update, self._token, self._held = update, None, None
         self._autocast = exclude_autocast(device_type(input), eager=eager)
         try:
             if plan.master and eager:
                 # The master takes the update (and is read in eval); it is rounded into the buffers.
-                self._values = _master.values(running_mean, running_var, host)
-                mean, var = self._values.unbind()
+                self._held = _master.checked(running_mean, running_var, host)
+                mean, var = self._held.values.unbind()
             else:
                 mean, var = running_mean, running_var
             self._stats = mean, var
@@ -116,8 +116,8 @@ class Session:
                 running_mean, running_var = self.call[1:3]
                 mean, var = self._stats
                 _guard.finish(mean, var, self.mean, self.var, self._token, self.eager, running_mean)
-                if self._values is not None:
-                    _master.commit(running_mean, running_var, self._values)
+                if self._held is not None:
+                    _master.commit(running_mean, running_var, self._held)
         finally:
             restore_autocast(self._autocast)
 

@@ -44,13 +44,16 @@ _UninitializedBuffer = torch.nn.parameter.UninitializedBuffer
 
 
 class _Master:
-    __slots__ = ("mean_ref", "var_ref", "values", "captured")
+    __slots__ = ("mean_ref", "var_ref", "values", "written", "captured")
 
-    def __init__(self, running_var: torch.Tensor, values: torch.Tensor,
+    def __init__(self, running_var: torch.Tensor, values: torch.Tensor, written: torch.Tensor,
                  on_death: "weakref.ReferenceType[torch.Tensor]") -> None:
         self.mean_ref = on_death
         self.var_ref = weakref.ref(running_var)
         self.values = values
+        # What the buffers last took from it, in their dtype: the check compares them with this,
+        # an op less than rounding ``values`` again at every call.
+        self.written = written
         # A CUDA graph holds it: checked on the device, never replaced or dropped.
         self.captured = False
 
@@ -61,48 +64,58 @@ _masters: Dict[int, _Master] = {}
 
 def _of(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[_Master]:
     """The master made for these very buffer objects, whether it still holds or not (none where the
-    buffers were given another shape or device through ``.data``: channel pruning, say)."""
+    buffers were given another shape, device or dtype through ``.data``: channel pruning, say)."""
     master = _masters.get(id(running_mean))
     if master is None or master.mean_ref() is not running_mean or master.var_ref() is not running_var:
         return None
-    if master.values.shape[1:] != running_mean.shape or master.values.device != running_mean.device:
+    written = master.written
+    if (written.shape[1:] != running_mean.shape or written.device != running_mean.device
+            or written.dtype is not running_mean.dtype):
         return None
     return master
 
 
-def values(running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -> torch.Tensor:
-    """The FP32 ``(2, C)`` master of these 16-bit stats, checked against them (``host``: read there),
-    or started from their values if there is none."""
+def checked(running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -> _Master:
+    """The master of these 16-bit stats, its FP32 ``(2, C)`` values checked against them (``host``:
+    read there), or started from their values if there is none."""
     master = _of(running_mean, running_var)
     if not _record.capturing():
         if master is None:
-            return seed(running_mean, running_var, torch.stack((running_mean, running_var)).to(_F32))
-        return _checked(master.values, running_mean, running_var, host)
+            buffers = torch.stack((running_mean, running_var))
+            seed(running_mean, running_var, buffers.to(_F32), buffers)
+            return _masters[id(running_mean)]
+        _checked(master, running_mean, running_var, host)
+        return master
     # Captured into a CUDA graph: checked on the device from now on. One made here holds nothing
     # yet (the op that made it would run at every replay): the check fills it.
     if master is None:
-        empty = torch.empty((2, *running_mean.shape), dtype=_F32, device=running_mean.device)
-        seed(running_mean, running_var, empty)
+        shape, device = (2, *running_mean.shape), running_mean.device
+        # Uninitialized both: the check at the first replay finds the buffers changed (as good
+        # as certain: the odds that garbage equals them bit for bit are nil) and fills it.
+        seed(running_mean, running_var, torch.empty(shape, dtype=_F32, device=device),
+             torch.empty(shape, dtype=running_mean.dtype, device=device))
         master = _masters[id(running_mean)]
     master.captured = True
-    return _checked(master.values, running_mean, running_var, False)
+    _checked(master, running_mean, running_var, False)
+    return master
 
 
-def _checked(values: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -> torch.Tensor:
-    """``values``, started again from the buffers unless it rounds to them exactly.
+def _checked(master: _Master, running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -> torch.Tensor:
+    """The master's values, started again from the buffers unless they hold what it wrote last.
 
-    A master that rounds to its buffers is as good as one started from them (both lie within half a
-    16-bit step of them); one that does not (the buffers were written, or it holds nothing yet)
+    A master whose rounding the buffers hold is as good as one started from them (both lie within
+    half a 16-bit step of them); one whose buffers were written since (or that holds nothing yet)
     takes their values, NaN included. ``host``: compared there; else a select on the device, no
-    read. Written through ``.data``: no version bump, as with the rest of the running-stat update.
+    read (until the next update writes the buffers, each call selects their values again: the
+    same values). Written through ``.data``: no version bump, as with the rest of the running-stat update.
     """
+    values, written = master.values, master.written
     buffers = torch.stack((running_mean, running_var))
-    rounded = values.to(buffers.dtype)
     if host:
-        if not torch.equal(rounded, buffers):
-            values.data.copy_(buffers)
+        if not torch.equal(written, buffers):
+            foreach_copy((values.data, written), (buffers, buffers))
         return values
-    stale = torch.ne(rounded, buffers).any()
+    stale = torch.ne(written, buffers).any()
     torch.where(stale, buffers, values.data, out=values.data)
     return values
 
@@ -112,7 +125,7 @@ def peek(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[torc
     master = _of(running_mean, running_var)
     if master is None:
         return None
-    return _checked(master.values, running_mean, running_var, _tuning.host_route(running_mean))
+    return _checked(master, running_mean, running_var, _tuning.host_route(running_mean))
 
 
 def holds_more(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
@@ -125,29 +138,36 @@ def holds_more(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
             and _of(running_mean, running_var) is not None and not _guard.host_finite(running_mean, running_var))
 
 
-def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Keep ``values`` (FP32, ``(2, C)``, on the stats' device) as the master of these stats.
+def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Tensor,
+         written: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Keep ``values`` (FP32, ``(2, C)``, on the stats' device) as the master of these stats, whose
+    buffers hold ``written`` (by default its rounding to their dtype).
 
     A master a CUDA graph holds stays that tensor: it takes ``values`` in place.
     """
     key = id(running_mean)
+    if written is None:
+        written = values.to(running_mean.dtype)
     kept = _of(running_mean, running_var)
-    if kept is not None and kept.captured:  # of the buffers' shape and device (``_of``)
-        kept.values.data.copy_(values)
+    if kept is not None and kept.captured:  # of the buffers' shape, device and dtype (``_of``)
+        foreach_copy((kept.values.data, kept.written), (values, written))
         return kept.values
 
     def drop(ref: "weakref.ReferenceType[torch.Tensor]") -> None:
         if _masters.get(key) is master:
             del _masters[key]
 
-    master = _Master(running_var, values, weakref.ref(running_mean, drop))
+    master = _Master(running_var, values, written, weakref.ref(running_mean, drop))
     _masters[key] = master
     return values
 
 
-def commit(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Tensor) -> None:
-    """Round the updated master into the 16-bit buffers: through ``.data``, so no version bump."""
-    foreach_copy((running_mean.data, running_var.data), (values[0], values[1]))
+def commit(running_mean: torch.Tensor, running_var: torch.Tensor, master: _Master) -> None:
+    """Round the updated master into the 16-bit buffers (through ``.data``, so no version bump) and
+    into what it keeps as written, in one op."""
+    values, written = master.values, master.written
+    foreach_copy((running_mean.data, running_var.data, written[0], written[1]),
+                 (values[0], values[1], values[0], values[1]))
 
 
 def clear() -> None:
