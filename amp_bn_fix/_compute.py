@@ -132,8 +132,10 @@ def _statistics_only(s: Session) -> Any:
     """torch's own output is made: in eager mode only the batch's statistics remain. torch's op for
     them updates FP32 stats as its kernels do (no output, about half a batch norm on CPU). It
     mutates stats its schema does not mark as written, which tracers would miss, and has no meta kernel."""
+    if not (s.plan.torch_output and s.eager):
+        return NOT_THIS
     input = s.call[0]
-    if not (s.plan.torch_output and s.eager) or input.is_meta:
+    if input.is_meta:
         return NOT_THIS
     if input.numel():  # an empty batch leaves the stats, as torch's kernels do
         torch.batch_norm_update_stats(input, s.mean, s.var, s.call[6])
@@ -147,7 +149,8 @@ def _mixed(s: Session) -> Any:
     input = call[0]
     if not (s.native and s.eager and plan.out_dtype is input.dtype):
         return NOT_THIS
-    layout = _kernels.mixed_kernel_layout(input) if input.is_cpu else (
+    cpu = input.is_cpu
+    layout = _kernels.mixed_kernel_layout(input) if cpu else (
         torch.preserve_format if device_type(input) in _MIXED_KERNEL_DEVICES else None)
     if layout is None:
         return NOT_THIS
@@ -155,7 +158,7 @@ def _mixed(s: Session) -> Any:
     if not plan.plain:  # a plain plan's are FP32 already
         weight, bias = to_fp32(weight, True), to_fp32(bias, True)
     call = (input, s.mean, s.var, weight, bias, training, momentum, eps)
-    return _kernels.mixed_batch_norm(s.original, layout, call) if input.is_cpu else s.original(*call)
+    return _kernels.mixed_batch_norm(s.original, layout, call) if cpu else s.original(*call)
 
 
 def _fp32_route(s: Session) -> Any:

@@ -60,7 +60,7 @@ def begin(mean: torch.Tensor, var: torch.Tensor, *, guard: bool, eager: bool, ho
         if host:
             # A finite float32 value round-trips exactly through a Python float; a NaN may not (a
             # signalling one comes back quiet), so stats that are not finite already are copied.
-            if mean.dim() == 1 and mean.numel() <= LISTED_CHANNELS:
+            if (plain or mean.dim() == 1) and mean.numel() <= LISTED_CHANNELS:
                 before = mean.tolist(), var.tolist()
                 if _finite_floats(*before):
                     return mean, var, (_HOST, before)
@@ -89,7 +89,8 @@ def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, up
         return
     kind, data = token
     if kind == _HOST:
-        if host_finite(mean, var):
+        # A snapshot of Python floats says the stats are few and 1-D (:func:`begin`): read them so again.
+        if _finite_floats(mean.tolist(), var.tolist()) if type(data) is tuple else host_finite(mean, var):
             return
         _restore(mean, var, data)
         _record.skipped(counted_for)

@@ -379,10 +379,13 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str) -> Optional
     try:
         # The stats' layout, device and requires_grad matter to an update only. A CPU tensor's
         # device is read without making a device object (``Tensor.device`` makes one, which on the
-        # common call costs more than the rest of the key).
+        # common call costs more than the rest of the key), and strides only where the shape does
+        # not say them (a contiguous tensor's).
         layout = None if not training else (
-            None if mean is None else (mean.is_cpu or mean.device, mean.requires_grad, mean.shape, mean.stride()),
-            None if var is None else (var.is_cpu or var.device, var.requires_grad, var.shape, var.stride()))
+            None if mean is None else (mean.is_cpu or mean.device, mean.requires_grad, mean.shape,
+                                       mean.is_contiguous() or mean.stride()),
+            None if var is None else (var.is_cpu or var.device, var.requires_grad, var.shape,
+                                      var.is_contiguous() or var.stride()))
         return (
             guard, policy, training, autocast, autocast and policy == "autocast" and autocast_dtype(kind),
             type(input), input.dtype, kind, input.get_device(), input.dim(),
