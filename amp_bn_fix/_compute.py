@@ -97,7 +97,8 @@ class Session:
                 mean, var = running_mean, running_var
             self._stats = mean, var
             if update:
-                mean, var, self._token = _guard.begin(mean, var, guard=plan.guard, eager=eager, host=host, plain=plain)
+                mean, var, self._token = _guard.begin(mean, var, guard=plan.guard, eager=eager, host=host, plain=plain,
+                                                      rows_of=None if self._held is None else self._held.values)
             elif not plain:  # a plain plan's stats are FP32 already
                 mean, var = to_fp32(mean, eager), to_fp32(var, eager)
         except BaseException:

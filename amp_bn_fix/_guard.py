@@ -42,15 +42,16 @@ _HOST, _DEVICE, _COPIES = 1, 2, 3
 Token = Optional[Tuple[int, Any]]
 
 
-def begin(mean: torch.Tensor, var: torch.Tensor, *, guard: bool, eager: bool, host: bool, plain: bool = False
-          ) -> Tuple[torch.Tensor, torch.Tensor, Token]:
+def begin(mean: torch.Tensor, var: torch.Tensor, *, guard: bool, eager: bool, host: bool, plain: bool = False,
+          rows_of: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Token]:
     """The FP32 tensors an update of ``mean`` and ``var`` writes into, and the token :func:`finish` takes.
 
     ``eager``: plain eager mode (the write-back goes through ``.data``, like torch's kernels'
     update: no version-counter bump, so an earlier eval call that saved the stats for its backward
     still works; decisions are counted). ``host``: values may be read on the host. ``plain``: the
     stats are known to be FP32, 1-D, of one shape with values and on one device, in plain eager
-    mode (a ``plain`` plan's), so none of that is asked again.
+    mode (a ``plain`` plan's), so none of that is asked again. ``rows_of``: the ``(2, *shape)``
+    tensor whose rows ``mean`` and ``var`` are (a master's values), which one select writes.
     """
     fp32 = plain or (mean.dtype is _F32 and var.dtype is _F32)
     if not guard and fp32:
@@ -67,7 +68,7 @@ def begin(mean: torch.Tensor, var: torch.Tensor, *, guard: bool, eager: bool, ho
             return mean, var, (_HOST, _joined(mean, var))
         work = _joined(mean, var).view(2, *mean.shape)
         work_mean, work_var = work.unbind()
-        return work_mean, work_var, (_DEVICE, work)
+        return work_mean, work_var, (_DEVICE, (work, rows_of))
     return _working_copy(mean), _working_copy(var), (_COPIES, guard)
 
 
@@ -95,9 +96,13 @@ def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, up
         _restore(mean, var, data)
         _record.skipped(counted_for)
     elif kind == _DEVICE:
-        finite = _all_finite(data)
-        torch.where(finite, updated_mean, mean.data, out=mean.data)
-        torch.where(finite, updated_var, var.data, out=var.data)
+        work, rows_of = data
+        finite = _all_finite(work)
+        if rows_of is not None:
+            torch.where(finite, work, rows_of.data, out=rows_of.data)
+        else:
+            torch.where(finite, updated_mean, mean.data, out=mean.data)
+            torch.where(finite, updated_var, var.data, out=var.data)
         _record.checked_on_device(counted_for, finite)
     else:
         _write_back(mean, var, updated_mean, updated_var, data, eager, counted_for)
