@@ -92,7 +92,7 @@ class Session:
             if plan.master and eager:
                 # The master takes the update (and is read in eval); it is rounded into the buffers.
                 self._held = _master.checked(running_mean, running_var, host)
-                mean, var = self._held.values.unbind()
+                mean, var = self._held.rows
             else:
                 mean, var = running_mean, running_var
             self._stats = mean, var
