@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import amp_bn_fix
 from _bounds import assert_near, assert_within, rounding_bound, same_computation_bound
+from _builders import fp64_batch_norm, fp64_module
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env, compare_outcomes, outcome
 from amp_bn_fix import _config, _doors, _patch, _plan
 
@@ -376,7 +377,7 @@ def policy_calls(monkeypatch):
 
 def test_torch_function_mode_reentry_applies_the_policy_once(policy_calls):
     bn, x = nn.BatchNorm2d(3), torch.randn(4, 3, 2, 2).bfloat16()
-    expected = ORIGINAL(x.double(), None, None, bn.weight.double(), bn.bias.double(), True)
+    expected = fp64_batch_norm(x, weight=bn.weight, bias=bn.bias).out
     with CountingMode() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
         out = bn(x)
     assert mode.batch_norm_calls >= 1  # the mode did route F.batch_norm back through the wrapper
@@ -424,17 +425,18 @@ def test_torch_compile_fullgraph_matches_eager(backend, policy):
     # float64 from the BatchNorm's input on: the first conv is torch's own, in bfloat16.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = model[0](x).detach().double()
-    stats64 = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
     bn, head = model[1], model[3]
-    out64 = ORIGINAL(hidden, *stats64, bn.weight.double(), bn.bias.double(), True, bn.momentum, bn.eps).relu()
+    # From zeros and ones: the model's own stats hold the eager step's update by now.
+    ref = fp64_batch_norm(hidden, torch.zeros(4), torch.ones(4), bn.weight, bn.bias, True, bn.momentum, bn.eps)
+    out64 = ref.out.relu()
     y64 = F.conv2d(out64, head.weight.double(), head.bias.double())
     # The last conv in bfloat16: its input, its weights and its output rounded once each.
     magnitude = F.conv2d(out64.abs(), head.weight.double().abs(), head.bias.double().abs())
     n = hidden.numel() // 4
     for name, net, out in (("eager", model, eager_y), ("compiled", twin, y)):
         assert_within(out, y64, rounding_bound(magnitude, {torch.bfloat16: 3}, n=4, sums=1), what=f"{name} output")
-        assert_near(net[1].running_mean, stats64[0], n, what=f"{name} running mean")
-        assert_near(net[1].running_var, stats64[1], n, what=f"{name} running var")
+        assert_near(net[1].running_mean, ref.running_mean, n, what=f"{name} running mean")
+        assert_near(net[1].running_var, ref.running_var, n, what=f"{name} running var")
     # The same bfloat16 backward, its reductions possibly in another order: a few roundings apart.
     eager_grad = model[0].weight.grad
     bound = same_computation_bound(eager_grad, {torch.bfloat16: 4})
@@ -446,7 +448,7 @@ def test_torch_compile_fp32_output_of_bn(backend):
     torch._dynamo.reset()
     bn = nn.BatchNorm2d(4)
     x = torch.randn(4, 4, 5, 5).bfloat16()
-    expected = ORIGINAL(x.double(), None, None, bn.weight.double(), bn.bias.double(), True)
+    expected = fp64_batch_norm(x, weight=bn.weight, bias=bn.bias).out
 
     @torch.compile(backend=backend, fullgraph=True)
     def f(x):
@@ -587,9 +589,7 @@ def test_torch_export():
     # orders: each against float64 on the linear layer's bfloat16 output.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = model.linear(x)
-    bn = model.bn
-    exact = ORIGINAL(hidden.double(), bn.running_mean.double(), bn.running_var.double(), bn.weight.double(),
-                     bn.bias.double(), False)
+    exact = fp64_module(model.bn, hidden).out
     for result in (out, model(x)):
         assert_near(result, exact, 1, what="exported eval")
 
@@ -600,7 +600,7 @@ def test_vmap_and_functional_call():
     # Under vmap too a 16-bit input with autocast enabled gets the policy: FP32 arithmetic, FP32 out.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         batched = torch.func.vmap(lambda x: F.batch_norm(x, None, None, bn.weight, bn.bias, training=True))(xs)
-    exact = torch.stack([ORIGINAL(x.double(), None, None, bn.weight.double(), bn.bias.double(), True) for x in xs])
+    exact = torch.stack([fp64_batch_norm(x, weight=bn.weight, bias=bn.bias).out for x in xs])
     assert batched.dtype is torch.float32
     # vmap's batched kernel and the per-sample one sum in different orders: each against float64.
     assert_near(batched, exact, xs[0].numel() // xs.shape[2], what="vmap")
@@ -609,13 +609,12 @@ def test_vmap_and_functional_call():
     params = {**dict(bn.named_parameters()), **state}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = torch.func.functional_call(bn, params, (xs[0],))
-    expected = ORIGINAL(xs[0].double(), None, None, bn.weight.double(), bn.bias.double(), True)
+    # The call functional_call made, with the module's state (unchanged, as checked below).
+    expected = fp64_module(bn, xs[0])
     assert out.dtype is torch.float32
-    assert_near(out, expected, xs[0].numel() // xs.shape[2], what="functional_call")
+    assert_near(out, expected.out, xs[0].numel() // xs.shape[2], what="functional_call")
     # The passed-in buffers got the update, the module's own did not.
-    mean64, var64 = bn.running_mean.double(), bn.running_var.double()
-    ORIGINAL(xs[0].double(), mean64, var64, training=True)
-    assert_near(state["running_mean"], mean64, xs[0].numel() // xs.shape[2], what="running mean")
+    assert_near(state["running_mean"], expected.running_mean, xs[0].numel() // xs.shape[2], what="running mean")
     assert torch.equal(bn.running_mean, torch.zeros(3))
 
 
