@@ -23,7 +23,7 @@ from torch import nn
 import amp_bn_fix
 from _amp_bn_fix_boot.settings import DEVICE_TYPES, KEEP_MODES, POLICIES
 from _bounds import assert_near, assert_within, rounding_bound
-from _shared import ORIGINAL
+from _builders import fp64_batch_norm
 from amp_bn_fix import Config, _master, _patch
 
 # TorchScript says it is deprecated; these tests script on purpose.
@@ -139,16 +139,14 @@ def assert_fixed(result: Run, config: Config, dtype: torch.dtype, training: bool
     expected_dtype = torch.float32 if config.policy == "fp32" else autocast_dtype(dtype)
     assert result.out.dtype is expected_dtype
     assert result.seen[0].dtype in (torch.float16, BF16)  # autocast gave BatchNorm a 16-bit input
-    x, mean, var, weight, bias = (t.double() for t in result.seen)
-    mean64, var64 = mean.clone(), var.clone()
-    ref = ORIGINAL(x, mean64, var64, weight, bias, training, 0.1, 1e-5)
-    n = x.numel() // CHANNELS
+    ref = fp64_batch_norm(*result.seen, training=training)
+    n = result.seen[0].numel() // CHANNELS
     # FP32 statistics of n values and an FP32 normalization, then one rounding to the output dtype.
-    assert_near(result.out, ref, n, what="output")
+    assert_near(result.out, ref.out, n, what="output")
     stats_dtype = torch.float32 if config.keep_fp32 in ("all", "stats") or dtype is torch.float32 else dtype
     assert result.mean.dtype is result.var.dtype is stats_dtype
-    assert_near(result.mean, mean64, n, what="running mean")
-    assert_near(result.var, var64, n, what="running var")
+    assert_near(result.mean, ref.running_mean, n, what="running mean")
+    assert_near(result.var, ref.running_var, n, what="running var")
 
 
 def assert_plain(result: Run, expected: Run) -> None:

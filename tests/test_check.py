@@ -14,6 +14,7 @@ import wrapt
 import amp_bn_fix
 from _amp_bn_fix_boot import cli as launcher
 from _bounds import assert_near
+from _builders import fp64_batch_norm
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env
 from amp_bn_fix import _check, _patch
 
@@ -93,14 +94,14 @@ def test_the_self_test_fails_and_check_exits_non_zero_when_the_shim_does_nothing
 def test_the_self_test_output_matches_float64(dtype):
     result = _check.self_test("cpu", dtype)
     assert result.ok, result.detail
-    hidden, weight, bias, mean64, var64 = (t.double() for t in result.tensors[:5])
+    hidden, weight, bias, mean, var = result.tensors[:5]
     out, new_mean, new_var = result.tensors[5:]
-    expected = ORIGINAL(hidden, mean64, var64, weight, bias, True, 0.1, 1e-5)
+    expected = fp64_batch_norm(hidden, mean, var, weight, bias)
     assert out.dtype is torch.float32
     n = hidden.shape[0]  # values per channel (BatchNorm1d on a batch of rows)
-    assert_near(out, expected, n, what="output")
-    assert_near(new_mean, mean64, n, what="running mean")
-    assert_near(new_var, var64, n, what="running var")
+    assert_near(out, expected.out, n, what="output")
+    assert_near(new_mean, expected.running_mean, n, what="running mean")
+    assert_near(new_var, expected.running_var, n, what="running var")
 
 
 @pytest.mark.parametrize("devices, expected", [("cuda", "passed through: cpu is not among the devices (cuda)"),

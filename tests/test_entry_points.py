@@ -26,6 +26,7 @@ from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near, batch_norm_scales
+from _builders import fp64_batch_norm
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT
 from amp_bn_fix import _compat, _dispatch, _doors, _patch, _record
 
@@ -207,11 +208,12 @@ def exact(entry: Entry, x: torch.Tensor, training: bool) -> Tuple[torch.Tensor, 
     w, b, mean, var = [None if t is None else t.detach().double() for t in tensors]
     if not entry.tracks:
         mean = var = None
-    x64 = x.double()
     if entry.kind == "bn":
-        out = ORIGINAL(x64, mean, var, w, b, training, MOMENTUM, EPS)
+        ref = fp64_batch_norm(x, mean, var, w, b, training, MOMENTUM, EPS)
+        out, mean, var = ref.out, ref.running_mean, ref.running_var
     else:
-        out = torch.instance_norm(x64, w, b, mean, var, uses_batch_stats(entry, training), MOMENTUM, EPS, False)
+        out = torch.instance_norm(x.double(), w, b, mean, var, uses_batch_stats(entry, training), MOMENTUM, EPS,
+                                  False)
     return out, (mean, var) if entry.tracks else None
 
 

@@ -23,6 +23,7 @@ from amp_bn_fix.testing import count_kernels
 
 from _bounds import (assert_near, assert_no_less_accurate, assert_within, batch_norm_scales, fp32_bound,
                      rounding_bound)
+from _builders import fp64_batch_norm
 from _shared import ORIGINAL, compare_outcomes, outcome
 
 HALF = [torch.float16, torch.bfloat16]
@@ -324,11 +325,11 @@ def assert_as_accurate_as_the_fp32_kernel(x, out, running_mean, running_var):
     10 to 100 times that. Each is measured against float64; the fast path may be a few roundings
     worse than the kernel, never a long float sum worse."""
     channels = x.shape[1]
-    mean64, var64 = torch.zeros(channels, dtype=torch.float64), torch.ones(channels, dtype=torch.float64)
-    ref = ORIGINAL(x.double(), mean64, var64, training=True)
+    ref = fp64_batch_norm(x, torch.zeros(channels), torch.ones(channels))
     mean32, var32 = torch.zeros(channels), torch.ones(channels)
     kernel = ORIGINAL(x.float(), mean32, var32, training=True)
-    for ours, theirs, exact in ((out, kernel, ref), (running_mean, mean32, mean64), (running_var, var32, var64)):
+    for ours, theirs, exact in ((out, kernel, ref.out), (running_mean, mean32, ref.running_mean),
+                                (running_var, var32, ref.running_var)):
         assert_no_less_accurate(ours, theirs, exact)
 
 
@@ -487,11 +488,10 @@ def test_guard_keeps_stats_on_a_non_finite_batch_through_the_fast_paths(policy):
     with torch.autocast("cpu", dtype=torch.float16):
         F.batch_norm(case.x, mean, var, case.weight, case.bias, True)
     # A finite batch updates them, as the float64 reference does.
-    mean64, var64 = before[0].double(), before[1].double()
-    ORIGINAL(case.x.detach().double(), mean64, var64, case.weight.double(), case.bias.double(), True)
+    ref = fp64_batch_norm(case.x, *before, case.weight, case.bias)
     n = case.x.numel() // CHANNELS
-    assert_near(mean, mean64, n, what="running mean")
-    assert_near(var, var64, n, what="running var")
+    assert_near(mean, ref.running_mean, n, what="running mean")
+    assert_near(var, ref.running_var, n, what="running var")
 
 
 # --- double backward and torch.compile --------------------------------------------------------
