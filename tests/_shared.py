@@ -8,12 +8,14 @@ every ``AMP_BN_FIX*`` setting at import, plus the settings a test gives it.
 both return and the results agree. ``record_inputs`` and ``assert_stats_replayed`` check running
 stats against a float64 replay of the calls a BatchNorm module received. ``computed_stats`` is what
 the shim computes a module's call with (a half model's FP32 master, else its buffers).
+``shim_disabled`` runs a block in plain torch, the shim disabled as a user disables it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -118,3 +120,18 @@ def computed_stats(module: torch.nn.Module):
     master = _master.peek(module.running_mean, module.running_var)
     stats = (module.running_mean, module.running_var) if master is None else master.unbind()
     return tuple(s.detach().clone() for s in stats)
+
+
+@contextlib.contextmanager
+def shim_disabled() -> Iterator[None]:
+    """Within the block, torch as ``amp_bn_fix.disable()`` leaves it (the reference the shim is
+    compared with); afterwards enabled again if it was, even if the block raises."""
+    import amp_bn_fix
+
+    was_enabled = amp_bn_fix.is_enabled()
+    amp_bn_fix.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            amp_bn_fix.enable()

@@ -5,6 +5,7 @@ modes are for apex-O2-style training and FSDP units, and every test here runs wi
 it says otherwise.
 """
 
+import contextlib
 import io
 import subprocess
 import sys
@@ -17,8 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import amp_bn_fix
 from _amp_bn_fix_boot import settings
 from _bounds import assert_near
-from _shared import SUBPROCESS_TIMEOUT, child_env
-from amp_bn_fix import _patch
+from _shared import SUBPROCESS_TIMEOUT, child_env, shim_disabled
 
 BF16 = torch.bfloat16
 
@@ -121,7 +121,7 @@ def test_lazy_module_cast_before_materialization_gets_fp32_stats():
 
 
 def test_meta_model_materialized_with_to_empty_gets_fp32_stats():
-    with _patch.uninstalled():
+    with shim_disabled():
         bn = nn.BatchNorm1d(4, device="meta").half()  # 16-bit meta stats from before the shim
     bn.to_empty(device="cpu")
     bn.reset_running_stats()
@@ -142,7 +142,7 @@ def test_meta_model_materialized_with_to_empty_gets_fp32_stats():
 )
 def test_float32_and_float64_casts_behave_as_in_torch(cast):
     shimmed = cast(_model())
-    with _patch.uninstalled():
+    with shim_disabled():
         plain = cast(_model())
     for name in ("running_mean", "running_var", "weight", "bias", "num_batches_tracked"):
         got, want = getattr(shimmed[1], name), getattr(plain[1], name)
@@ -289,7 +289,7 @@ def test_checkpoint_from_shimmed_half_model_loads_into_plain_torch():
 
 
 def test_old_all_half_checkpoint_loads_into_shimmed_model_as_fp32_stats():
-    with _patch.uninstalled():
+    with shim_disabled():
         old = _round_trip(_model().half().state_dict())
     assert old["1.running_mean"].dtype == torch.float16
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half()
@@ -302,7 +302,7 @@ def test_old_all_half_checkpoint_loads_into_shimmed_model_as_fp32_stats():
 
 
 def test_fp32_checkpoint_into_shimmed_half_model_loses_nothing():
-    with _patch.uninstalled():
+    with shim_disabled():
         state = _round_trip(_model().state_dict())
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half()
     model.load_state_dict(state)
@@ -355,7 +355,7 @@ def _half_model(shim: bool, keep: str, seed: int) -> nn.Sequential:
     if shim:
         _keep(keep)
         return model.bfloat16()
-    with _patch.uninstalled():
+    with shim_disabled():
         return model.bfloat16()
 
 
@@ -380,7 +380,8 @@ def test_state_dicts_load_either_way(saved_by, loaded_by, keep, assign):
         # Every value arrives: exactly where the dtype stays, rounded once where it narrows.
         assert torch.equal(loaded[name], tensor.to(loaded[name].dtype)), name
     x = torch.randn(4, 3, 8, 8, dtype=BF16)
-    with _patch.uninstalled() if loaded_by == "plain" else _patch.installed():
+    # Otherwise the shim stays enabled, as every test starts.
+    with shim_disabled() if loaded_by == "plain" else contextlib.nullcontext():
         if loaded_by == "plain" and assign and saved_by == "shim" and keep == "stats":
             with pytest.raises(RuntimeError, match="expected scalar type"):
                 target(x)

@@ -24,7 +24,8 @@ import amp_bn_fix
 from _amp_bn_fix_boot.settings import DEVICE_TYPES, KEEP_MODES, POLICIES
 from _bounds import assert_near, assert_within, rounding_bound
 from _builders import fp64_batch_norm
-from amp_bn_fix import Config, _master, _patch
+from _shared import shim_disabled
+from amp_bn_fix import Config, _master
 
 # TorchScript says it is deprecated; these tests script on purpose.
 pytestmark = [
@@ -112,7 +113,7 @@ def plain(dtype: torch.dtype, training: bool, autocast: bool, scripted: bool) ->
     """The same run in plain torch: the shim disabled from the model's cast on (cached)."""
     key = (dtype, training, autocast, scripted)
     if key not in _plain_runs:
-        with _patch.uninstalled():
+        with shim_disabled():
             net = model(dtype, training)
             _plain_runs[key] = run(torch.jit.script(net) if scripted else net, dtype, training, autocast)
     return _plain_runs[key]
@@ -184,7 +185,7 @@ def run_path(path: str, config: Config, dtype: torch.dtype, training: bool, auto
         return run(torch.jit.script(net), dtype, training, autocast)
     buffer = io.BytesIO()
     torch.save(net, buffer)
-    with _patch.uninstalled():
+    with shim_disabled():
         if path == "disable":
             return run(net, dtype, training, autocast)
         buffer.seek(0)

@@ -29,8 +29,8 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import amp_bn_fix
 from _bounds import assert_near, assert_within, same_computation_bound
 from _builders import fp64_batch_norm
-from _shared import assert_stats_replayed, record_inputs
-from amp_bn_fix import _checkpoint, _patch, _state
+from _shared import assert_stats_replayed, record_inputs, shim_disabled
+from amp_bn_fix import _checkpoint, _state
 
 pytestmark = pytest.mark.usefixtures("both_routes")
 
@@ -85,7 +85,7 @@ def _run(flavour, steps=3):
 @pytest.mark.parametrize("flavour", list(FLAVOURS))
 def test_running_stats_see_the_updates_plain_torch_makes(flavour, policy):
     amp_bn_fix.set_policy(policy)
-    with _patch.uninstalled():
+    with shim_disabled():
         plain_tracked = _run(flavour)[2]
     mean, var, tracked, dtype, inputs = _run(flavour)
     assert dtype is torch.float32
@@ -221,7 +221,7 @@ def check_scoped_step(kind, flavour, scope, where):
     for what, value in results.items():
         assert value.dtype is expected[what].dtype and torch.equal(value, expected[what]), what
     # Two updates of the running stats (the forward's and the recompute's), as plain torch makes.
-    with _patch.uninstalled():
+    with shim_disabled():
         plain_tracked = scoped_step(kind, flavour, scope, where)[2]
     assert tracked == plain_tracked == len(inputs) == 2
     assert stats[0].dtype is torch.float32

@@ -27,7 +27,7 @@ from torch import nn
 import amp_bn_fix
 from _bounds import assert_near, batch_norm_scales
 from _builders import fp64_batch_norm
-from _shared import ORIGINAL, SUBPROCESS_TIMEOUT
+from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, shim_disabled
 from amp_bn_fix import _compat, _dispatch, _doors, _patch, _record
 
 AUTOCAST = torch.bfloat16  # autocast's dtype: a float16 input shows ``input`` and ``autocast`` apart
@@ -195,7 +195,7 @@ def plain(entry: Entry, dtype: torch.dtype, training: bool, autocast: bool) -> A
     """The entry point's result without the shim (computed once per case)."""
     key = (entry.name, dtype, training, autocast)
     if key not in _plain_results:
-        with _patch.uninstalled():
+        with shim_disabled():
             out, stats, _ = run(entry, make_input(entry, dtype), training, autocast)
         _plain_results[key] = (out, stats)
     return _plain_results[key]
@@ -236,7 +236,7 @@ def expectation(entry: Entry, policy: str, autocast: bool, bypass: str) -> str:
 def shim(policy: str, bypass: str) -> Iterator[None]:
     amp_bn_fix.configure(policy=policy, devices="cuda" if bypass == "device left out" else None)
     if bypass == "disable()":
-        with _patch.uninstalled():
+        with shim_disabled():
             yield
     elif bypass == 'policy("off")':
         with amp_bn_fix.policy("off"):
@@ -379,7 +379,7 @@ def test_instance_norm_updates_the_module_buffers_in_fp32_where_torch_rounds_the
     for shimmed in (True, False):
         norm = seeded(nn.InstanceNorm2d(C, track_running_stats=True))
         mean, var = norm.running_mean, norm.running_var
-        with contextlib.nullcontext() if shimmed else _patch.uninstalled():
+        with contextlib.nullcontext() if shimmed else shim_disabled():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 norm(x)
         assert norm.running_mean is mean and norm.running_var is var and mean.dtype is torch.float32
@@ -453,7 +453,7 @@ def test_instance_norm_without_the_guard_updates_an_infinite_variance_as_torch_d
             norm = seeded(nn.InstanceNorm2d(C, track_running_stats=True))
             with torch.no_grad():
                 norm.running_var.fill_(float("inf"))
-            with contextlib.nullcontext() if shimmed else _patch.uninstalled():
+            with contextlib.nullcontext() if shimmed else shim_disabled():
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     norm(make_input(ENTRY["InstanceNorm2d-tracked"], torch.bfloat16))
             results.append(norm.running_var)
@@ -505,7 +505,7 @@ def test_direct_native_batch_norm_calls_run_as_in_torch(fresh_record, op):
     for shimmed in (True, False):
         torch.manual_seed(0)
         x, mean, var = bn_args(torch.bfloat16)
-        with contextlib.nullcontext() if shimmed else _patch.uninstalled():
+        with contextlib.nullcontext() if shimmed else shim_disabled():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 results.append((native_calls(x, mean, var)[op](), mean, var))
     (ours, *stats), (theirs, *stats0) = results
@@ -524,7 +524,7 @@ def test_torch_batch_norm_under_vmap_runs_as_in_torch():
 
     results = []
     for shimmed in (True, False):
-        with contextlib.nullcontext() if shimmed else _patch.uninstalled():
+        with contextlib.nullcontext() if shimmed else shim_disabled():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 results.append(torch.func.vmap(fn)(x))
     assert results[0].dtype is torch.bfloat16 and torch.equal(*results)
@@ -605,7 +605,7 @@ def test_disable_removes_the_kernels_and_enable_registers_them_again():
     assert direct_dtype() is torch.bfloat16 and direct_dtype("instance_norm") is torch.bfloat16
     amp_bn_fix.enable()
     assert _dispatch.PATCH.applied and direct_dtype() is torch.float32
-    with _patch.uninstalled():
+    with shim_disabled():
         assert no_kernel_left() and direct_dtype() is torch.bfloat16
     assert direct_dtype("instance_norm") is torch.float32
     # A door removed on its own: install() completes the shim again.
@@ -655,10 +655,10 @@ def test_a_traced_module_keeps_the_fp32_computation_it_recorded():
     with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(bn, x, check_trace=False)
-    with _patch.uninstalled(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with shim_disabled(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert traced(x).dtype is torch.float32
     # traced without the shim, the graph holds plain aten::batch_norm: the kernel decides at run time
-    with _patch.uninstalled(), torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+    with shim_disabled(), torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plain_trace = torch.jit.trace(bn, x, check_trace=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -26,8 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 import amp_bn_fix
 from _bounds import assert_within, same_computation_bound
-from _shared import ORIGINAL
-from amp_bn_fix import _patch
+from _shared import ORIGINAL, shim_disabled
 
 # torch's forward-mode AD scripts its decompositions when it first needs them (torch.jit.script warns:
 # DeprecationWarning, FutureWarning from torch 2.15).
@@ -201,7 +200,7 @@ def test_a_16_bit_input_under_autocast_gets_the_policy_under_every_transform(tra
         ours = _outcome(lambda: under_autocast(model))
     computed = {name: calls - before.get(name, 0) for name, calls in amp_bn_fix.report()["handled"].items()}
     if policy == "off":
-        with _patch.uninstalled():
+        with shim_disabled():
             theirs = _outcome(lambda: under_autocast(model))
         assert type(ours) is type(theirs)
         if isinstance(theirs, tuple) and isinstance(theirs[0], type):
@@ -212,7 +211,7 @@ def test_a_16_bit_input_under_autocast_gets_the_policy_under_every_transform(tra
         return
     out_dtype = {"fp32": F32, "input": None, "autocast": dtype}[policy]
     hand = _by_hand(model, out_dtype)
-    with _patch.uninstalled():
+    with shim_disabled():
         expected = under_autocast(hand)
     assert not isinstance(ours[0], type), ours
     assert len(ours) == len(expected)
@@ -227,7 +226,7 @@ def test_a_16_bit_input_under_autocast_gets_the_policy_under_every_transform(tra
     else:
         # BatchNorm saw only FP32 inputs (autocast cast nothing there): torch's own call, bit for bit.
         assert not any(computed.values()), computed
-        with _patch.uninstalled():
+        with shim_disabled():
             plain = under_autocast(model)
         for a, b in zip(ours, plain):
             assert a.dtype is b.dtype and torch.equal(a, b)
@@ -246,7 +245,7 @@ def test_running_stats_vmap_cannot_update_get_torchs_error(model_kind, policy):
         before = [t.clone() for t in stats]
         xs = _input(half_model, torch.bfloat16, 2)
         state, run = _functional(model)
-        with (amp_bn_fix.policy(policy) if shimmed else _patch.uninstalled()), torch.autocast("cpu"):
+        with (amp_bn_fix.policy(policy) if shimmed else shim_disabled()), torch.autocast("cpu"):
             results.append(_outcome(lambda: vmap(run, in_dims=(None, 0))(state, xs)))
         assert all(torch.equal(a, b) for a, b in zip(before, stats))
     ours, theirs = results

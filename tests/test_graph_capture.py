@@ -27,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import amp_bn_fix
-from amp_bn_fix import _compat, _master, _patch, _record
+from _shared import shim_disabled
+from amp_bn_fix import _compat, _master, _record
 from amp_bn_fix.testing import device_route
 
 aten = torch.ops.aten
@@ -346,7 +347,7 @@ def test_a_captured_master_outlives_disable():
         with captured() as graph:
             graphed(static)
     master = _master.peek(graphed.running_mean, graphed.running_var)
-    with _patch.uninstalled():
+    with shim_disabled():
         assert _master.peek(graphed.running_mean, graphed.running_var) is master
         graph.replay()
     assert _master.peek(graphed.running_mean, graphed.running_var) is master

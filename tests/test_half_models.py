@@ -19,9 +19,9 @@ from torch import nn
 import amp_bn_fix
 from _bounds import assert_near
 from _builders import fp64_batch_norm
-from _shared import ORIGINAL
+from _shared import ORIGINAL, shim_disabled
 from bn_probe import Watch, bn_modules
-from amp_bn_fix import _master, _patch
+from amp_bn_fix import _master
 
 HALF = [torch.float16, torch.bfloat16]
 CASTS = {
@@ -49,7 +49,7 @@ def linear_bn() -> nn.Sequential:
 
 def cast(make, keep, how, dtype, shim=True):
     if not shim:
-        with _patch.uninstalled():
+        with shim_disabled():
             return CASTS[how](make(), dtype)
     amp_bn_fix.configure(keep_fp32=keep)
     return CASTS[how](make(), dtype)
@@ -112,20 +112,20 @@ def test_programs_that_take_the_model_elsewhere(keep, dtype, program):
         buffer.seek(0)
         state = torch.load(buffer, weights_only=True)
         assert [(k, v.dtype) for k, v in state.items()] == [(k, v.dtype) for k, v in plain.state_dict().items()]
-        with _patch.uninstalled():
+        with shim_disabled():
             target = CASTS["half"](conv_bn(), dtype)
             target.load_state_dict(state, strict=True)
             out = target.eval()(x)
     elif program == "pickle":
         data = pickle.dumps(model)
-        with _patch.uninstalled():
+        with shim_disabled():
             out = pickle.loads(data)(x)
     elif program == "torchscript":
         out = torch.jit.script(model)(x)
     else:
-        with _patch.uninstalled():
+        with shim_disabled():
             out = model(x)
-    with _patch.uninstalled():
+    with shim_disabled():
         expected = plain(x)
     assert out.dtype is expected.dtype is dtype
     assert torch.equal(out, expected)  # the same half computation as plain torch's
@@ -168,7 +168,7 @@ def _fused(fuser, model):
 def test_conv_bn_fusers_work_as_on_plain_torch(fuser, dtype):
     # RepVGG-style reparameterization and inference fusers fold BatchNorm into its neighbour.
     model, x = _fuse(fuser, dtype)
-    with _patch.uninstalled():
+    with shim_disabled():
         plain, _ = _fuse(fuser, dtype)
         expected = _fused(fuser, plain)(x)
     out = _fused(fuser, model)(x)
@@ -218,7 +218,7 @@ def test_master_keeps_the_running_stats_fp32_accurate(both_routes, dtype, autoca
     assert_near(master[1], var64, n, ops=30, scale=var64.abs().max().item(), what="var")
     assert torch.equal(bn.running_mean, master[0].to(dtype)) and torch.equal(bn.running_var, master[1].to(dtype))
     # The setting exists for this: 16-bit stats updated in 16 bits (plain torch) drift further.
-    with _patch.uninstalled():
+    with shim_disabled():
         plain = CASTS["half"](conv_bn(), dtype)
         plain_mean64, plain_var64 = _replay(_train(plain, steps, dtype, autocast), dtype)
     ours = (master[1].double() - var64).abs().max()
@@ -242,7 +242,7 @@ def test_master_follows_casts():
     model.bfloat16()
     assert torch.equal(_master.peek(bn.running_mean, bn.running_var), master)
     # disable() drops every master: torch owns the buffers from then on.
-    with _patch.uninstalled():
+    with shim_disabled():
         assert _master.peek(bn.running_mean, bn.running_var) is None
 
 
@@ -280,7 +280,7 @@ def test_a_lazy_model_cast_before_its_first_batch_is_cast_as_plain_torch_casts_i
         return nn.Sequential(nn.LazyConv2d(8, 3), nn.LazyBatchNorm2d()).to(dtype)
 
     ours = make()
-    with _patch.uninstalled():
+    with shim_disabled():
         theirs = make()
     x = torch.randn(4, 3, 8, 8).to(dtype)
     with torch.autocast("cpu", dtype=dtype):
@@ -288,7 +288,7 @@ def test_a_lazy_model_cast_before_its_first_batch_is_cast_as_plain_torch_casts_i
     # Materialized 16-bit, the model gets its FP32 master at its first handled call.
     assert out.dtype is torch.float32 and _master.peek(ours[1].running_mean, ours[1].running_var) is not None
     assert [b.dtype for b in ours.buffers()] == [dtype, dtype, torch.int64]
-    with _patch.uninstalled():
+    with shim_disabled():
         theirs(x)
     assert [b.dtype for b in theirs.buffers()] == [b.dtype for b in ours.buffers()]
 
@@ -422,7 +422,7 @@ def test_half_models_of_real_shapes_run_under_every_policy(dtype, make, policy, 
     if training:
         assert all(p.grad is not None and p.grad.dtype is dtype for p in model.parameters())
     if policy == "off":  # plain torch's model, computation and all
-        with _patch.uninstalled():
+        with shim_disabled():
             plain = make()
             plain(x.float())
             plain = plain.to(dtype).train(training)

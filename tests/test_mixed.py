@@ -10,6 +10,7 @@ from torch import nn
 import amp_bn_fix
 from _bounds import assert_near, assert_within, same_computation_bound
 from _builders import batch_norm, fp64_batch_norm, seeded_input
+from _shared import shim_disabled
 
 HALF = [torch.float16, torch.bfloat16]
 C = 6
@@ -169,7 +170,7 @@ def test_outside_autocast_an_fp32_input_next_to_half_weights_keeps_torchs_error(
     x = torch.randn(2, 4, 3, 3)
     with pytest.raises(RuntimeError) as ours:
         bn(x)
-    with amp_bn_fix._patch.uninstalled(), pytest.raises(RuntimeError) as theirs:
+    with shim_disabled(), pytest.raises(RuntimeError) as theirs:
         bn(x)
     assert str(ours.value) == str(theirs.value)
 
@@ -185,7 +186,7 @@ def _ensemble_under_vmap(policy, installed=True):
     def run(p, b):
         return torch.func.functional_call(models[0], (p, b), (x,))
 
-    with (contextlib.nullcontext() if installed else amp_bn_fix._patch.uninstalled()), amp_bn_fix.policy(policy):
+    with (contextlib.nullcontext() if installed else shim_disabled()), amp_bn_fix.policy(policy):
         with torch.autocast("cpu", dtype=torch.float16):
             return torch.func.vmap(run)(params, buffers)
 
@@ -260,7 +261,7 @@ def test_transforms_decide_autocast_as_autocast_does(transform, policy, half_mod
         out = _in_transform(transform, bn, x)
     reference = fp64_batch_norm(x, *stats, bn.weight, bn.bias, False, 0.1, bn.eps).out
     if policy == "off":
-        with amp_bn_fix._patch.uninstalled(), torch.autocast("cpu", dtype=dtype):
+        with shim_disabled(), torch.autocast("cpu", dtype=dtype):
             expected = _in_transform(transform, bn, x)
         assert out.dtype is expected.dtype and torch.equal(out, expected)
         return

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 import amp_bn_fix
 from _bounds import assert_near, assert_within, rounding_bound, same_computation_bound
 from _builders import fp64_batch_norm, fp64_module
-from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env, compare_outcomes, outcome
+from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env, compare_outcomes, outcome, shim_disabled
 from amp_bn_fix import _config, _doors, _patch, _plan
 
 
@@ -312,7 +312,7 @@ def test_empty_batch_under_autocast():
 )
 def test_errors_are_the_originals(args, kwargs):
     # torch 2.4 to 2.8 accept eps <= 0: then the shim must accept it too, and compute what they do.
-    with _patch.uninstalled(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with shim_disabled(), torch.autocast("cpu", dtype=torch.bfloat16):
         theirs = outcome(ORIGINAL, args, kwargs, input_dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours = outcome(F.batch_norm, args, kwargs)
@@ -334,7 +334,7 @@ def test_float64_parameters_with_a_16_bit_input_get_torchs_error(which):
             return F.batch_norm(x, double, double + 1, torch.ones(3), torch.zeros(3), training=True)
         return F.batch_norm(x, torch.zeros(3), torch.ones(3), double + 1, None, training=True)
 
-    with _patch.uninstalled(), torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError) as theirs:
+    with shim_disabled(), torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError) as theirs:
         call()
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError) as ours:
         call()

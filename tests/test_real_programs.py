@@ -25,7 +25,7 @@ from torch import nn
 import amp_bn_fix
 from _bounds import assert_near, assert_within, fp32_bound, rounding_bound, same_computation_bound
 from _builders import batch_norm, fp64_batch_norm, seeded_input
-from _shared import ORIGINAL, assert_stats_replayed, record_inputs
+from _shared import ORIGINAL, assert_stats_replayed, record_inputs, shim_disabled
 from amp_bn_fix import _config, _patch, _state
 
 # TorchScript, jit.trace and jit.save/load say they are deprecated; these tests use them on purpose.
@@ -50,7 +50,7 @@ def autocast():
 
 def plain_torch(fn):
     """``fn()`` with the shim disabled (plain torch), then as it was."""
-    with _patch.uninstalled():
+    with shim_disabled():
         return fn()
 
 
