@@ -16,7 +16,7 @@ from _amp_bn_fix_boot import cli as launcher
 from _bounds import assert_near
 from _builders import fp64_batch_norm
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env
-from amp_bn_fix import _check, _patch
+from amp_bn_fix import _check
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ import amp_bn_fix
 from _bounds import assert_near, assert_within, rounding_bound, same_computation_bound
 from _builders import fp64_batch_norm, fp64_module
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env, compare_outcomes, outcome, shim_disabled
-from amp_bn_fix import _config, _doors, _patch, _plan
+from amp_bn_fix import _config, _patch
 
 
 
@@ -204,10 +204,10 @@ def test_devices_setting_selects_device_types():
 
 
 def native_and_patched(fn):
-    """Run ``fn`` on fresh copies with the patch removed and installed; return both results."""
+    """Run ``fn`` on fresh copies with the shim disabled and enabled; return both results."""
     results = []
-    for installed in (False, True):
-        _patch.install() if installed else _patch.uninstall()
+    for enabled in (False, True):
+        amp_bn_fix.enable() if enabled else amp_bn_fix.disable()
         results.append(fn())
     return results
 
@@ -362,36 +362,38 @@ class PassThroughTensor(torch.Tensor):
 
 
 @pytest.fixture
-def policy_calls(monkeypatch):
-    """The input dtype of every call the policy decided on (re-entered calls never get there)."""
-    calls = []
-    real = _plan.plan
+def counted_calls():
+    """What ``amp_bn_fix.report()`` counts from here on: the calls handled per policy, and those
+    passed through. Every call the shim decides on is counted once, one way or the other; a
+    re-entered call, never decided, is not counted."""
+    before = amp_bn_fix.report()
 
-    def spy(call, *args, **kwargs):
-        calls.append(call[0].dtype)
-        return real(call, *args, **kwargs)
+    def counted():
+        after = amp_bn_fix.report()
+        handled = {policy: calls - before["handled"].get(policy, 0) for policy, calls in after["handled"].items()}
+        passed = after["passed_through"] - before["passed_through"]
+        return {policy: calls for policy, calls in handled.items() if calls}, passed
 
-    monkeypatch.setattr(_doors, "plan", spy)
-    return calls
+    return counted
 
 
-def test_torch_function_mode_reentry_applies_the_policy_once(policy_calls):
+def test_torch_function_mode_reentry_applies_the_policy_once(counted_calls):
     bn, x = nn.BatchNorm2d(3), torch.randn(4, 3, 2, 2).bfloat16()
     expected = fp64_batch_norm(x, weight=bn.weight, bias=bn.bias).out
     with CountingMode() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
         out = bn(x)
     assert mode.batch_norm_calls >= 1  # the mode did route F.batch_norm back through the wrapper
-    assert policy_calls == [torch.bfloat16]
+    assert counted_calls() == ({"fp32": 1}, 0)  # decided and handled once, not again when re-entered
     assert out.dtype is torch.float32
     assert_near(out, expected, x.numel() // x.shape[1])
 
 
-def test_tensor_subclass_reentry_applies_the_policy_once(policy_calls):
+def test_tensor_subclass_reentry_applies_the_policy_once(counted_calls):
     bn = nn.BatchNorm2d(3)
     x = torch.randn(4, 3, 2, 2).bfloat16().as_subclass(PassThroughTensor)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = bn(x)
-    assert policy_calls == [torch.bfloat16]
+    assert counted_calls() == ({"fp32": 1}, 0)  # decided and handled once, not again when re-entered
     assert out.dtype is torch.float32 and isinstance(out, PassThroughTensor)
 
 

@@ -23,7 +23,7 @@ import amp_bn_fix
 from _bounds import assert_near, batch_norm_scales
 from _builders import batch_norm, fp64_batch_norm, seeded_input
 from _shared import SUBPROCESS_TIMEOUT, child_env
-from amp_bn_fix import _patch, _state
+from amp_bn_fix import _state
 
 EPS, MOMENTUM = 1e-5, 0.1
 N = 8 * 4  # values per channel in make()'s input
@@ -51,11 +51,11 @@ class Recorder:
 def recorder(monkeypatch):
     """The recorder in place of the real function, with the shim's wrapper on top of it."""
     record = Recorder()
-    _patch.uninstall()
+    amp_bn_fix.disable()
     monkeypatch.setattr(_functions.SyncBatchNorm, "apply", classmethod(record))
-    _patch.install()
+    amp_bn_fix.enable()
     yield record
-    _patch.uninstall()  # before monkeypatch restores the real function under it
+    amp_bn_fix.disable()  # before monkeypatch restores the real function under it
 
 
 def make(dtype=torch.float32, channels=3):
