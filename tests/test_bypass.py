@@ -24,8 +24,8 @@ import amp_bn_fix
 from _amp_bn_fix_boot.settings import DEVICE_TYPES, KEEP_MODES, POLICIES
 from _bounds import assert_near, assert_within, rounding_bound
 from _builders import fp64_batch_norm
-from _shared import shim_disabled
-from amp_bn_fix import Config, _master
+from _shared import computed_stats, shim_disabled
+from amp_bn_fix import Config
 
 # TorchScript says it is deprecated; these tests script on purpose.
 pytestmark = [
@@ -90,9 +90,8 @@ def run(net: nn.Module, dtype: torch.dtype, training: bool, autocast: bool) -> R
 
     def capture(module, args):
         # The stats the shim computes with: a 16-bit model's FP32 master where it keeps one.
-        master = _master.peek(module.running_mean, module.running_var)
-        stats = (module.running_mean, module.running_var) if master is None else tuple(master)
-        seen[:] = [args[0].detach().clone()] + [t.detach().clone() for t in (*stats, module.weight, module.bias)]
+        seen[:] = [args[0].detach().clone(), *computed_stats(module), module.weight.detach().clone(),
+                   module.bias.detach().clone()]
 
     handle = bn.register_forward_pre_hook(capture) if not isinstance(net, torch.jit.ScriptModule) else None
     try:
