@@ -84,8 +84,7 @@ def checked(running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -
     if not _record.capturing():
         if master is None:
             buffers = torch.stack((running_mean, running_var))
-            seed(running_mean, running_var, buffers.to(_F32), buffers)
-            return _masters[id(running_mean)]
+            return seed(running_mean, running_var, buffers.to(_F32), buffers)
         _checked(master, running_mean, running_var, host)
         return master
     # Captured into a CUDA graph: checked on the device from now on. One made here holds nothing
@@ -94,9 +93,8 @@ def checked(running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -
         shape, device = (2, *running_mean.shape), running_mean.device
         # Uninitialized both: the check at the first replay finds the buffers changed (as good
         # as certain: the odds that garbage equals them bit for bit are nil) and fills it.
-        seed(running_mean, running_var, torch.empty(shape, dtype=_F32, device=device),
-             torch.empty(shape, dtype=running_mean.dtype, device=device))
-        master = _masters[id(running_mean)]
+        master = seed(running_mean, running_var, torch.empty(shape, dtype=_F32, device=device),
+                      torch.empty(shape, dtype=running_mean.dtype, device=device))
     master.captured = True
     _checked(master, running_mean, running_var, False)
     return master
@@ -143,9 +141,9 @@ def holds_more(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
 
 
 def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Tensor,
-         written: Optional[torch.Tensor] = None) -> torch.Tensor:
+         written: Optional[torch.Tensor] = None) -> _Master:
     """Keep ``values`` (FP32, ``(2, C)``, on the stats' device) as the master of these stats, whose
-    buffers hold ``written`` (by default its rounding to their dtype).
+    buffers hold ``written`` (by default its rounding to their dtype); returns the master.
 
     A master a CUDA graph holds stays that tensor: it takes ``values`` in place.
     """
@@ -155,7 +153,7 @@ def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Te
     kept = _of(running_mean, running_var)
     if kept is not None and kept.captured:  # of the buffers' shape, device and dtype (``_of``)
         foreach_copy((kept.values.data, kept.written), (values, written))
-        return kept.values
+        return kept
 
     def drop(ref: "weakref.ReferenceType[torch.Tensor]") -> None:
         if _masters.get(key) is master:
@@ -163,7 +161,7 @@ def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Te
 
     master = _Master(running_var, values, written, weakref.ref(running_mean, drop))
     _masters[key] = master
-    return values
+    return master
 
 
 def commit(running_mean: torch.Tensor, running_var: torch.Tensor, master: _Master) -> None:
