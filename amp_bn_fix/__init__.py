@@ -31,10 +31,9 @@ A bad value makes the import raise ``ValueError``. :func:`configure` changes the
 # No ``from __future__ import annotations``: the annotations are evaluated here, so that help() and
 # typing.get_type_hints show the allowed values, and the typing names can leave the namespace (end).
 import atexit as _atexit
-import contextlib as _contextlib
 import sys as _sys
 import warnings as _warnings
-from typing import Any, Dict, Iterable, Iterator, Optional, Union
+from typing import Any, Dict, Iterable, Optional, Union
 
 import torch as _torch
 from _amp_bn_fix_boot import settings as _settings
@@ -162,9 +161,9 @@ def set_policy(name: PolicyName) -> None:
     configure(policy=name)
 
 
-@_contextlib.contextmanager
-def policy(name: PolicyName) -> Iterator[None]:
-    r"""Override the policy within a ``with`` block (nestable), for this thread and asyncio task.
+def policy(name: PolicyName) -> _config.PolicyScope:
+    r"""Override the policy within a ``with`` block (nestable), for this thread and asyncio task;
+    as a decorator, wherever the decorated function, generator or coroutine function runs.
 
     Scopes are per thread and per asyncio task (they live in a :mod:`contextvars` variable): an
     asyncio task created inside the block starts with its policy, and a scope opened in one task
@@ -183,8 +182,7 @@ def policy(name: PolicyName) -> Iterator[None]:
         ...     bn(x).dtype
         torch.bfloat16
     """
-    with _config.scoped_policy(_settings.check_policy(name)):
-        yield
+    return _config.PolicyScope(_settings.check_policy(name))
 
 
 class _Unchanged:
@@ -380,4 +378,4 @@ _start()
 
 # What remains in the namespace is the public API (and private names): the typing names served
 # the annotations above, which are evaluated by now.
-del Any, Dict, Iterable, Iterator, Optional, Union
+del Any, Dict, Iterable, Optional, Union

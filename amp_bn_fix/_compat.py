@@ -9,6 +9,7 @@ from typing import Any, ContextManager, Optional, Tuple
 import torch
 import torch._guards
 import torch.autograd.forward_ad
+import torch.utils.checkpoint
 from torch.overrides import _get_current_function_mode_stack, has_torch_function_variadic
 from torch.utils._device import DeviceContext
 
@@ -43,6 +44,9 @@ except ImportError:  # torch < 2.6
 _TAG_SEPARATOR = "|amp_bn_fix:"
 _modules = sys.modules
 _thread = _state.thread
+# What non-reentrant checkpointing raises to stop a recompute once it has every tensor it needs
+# (``torch/utils/checkpoint.py``, torch 2.1 and later): ops that ran before the stop stand.
+RECOMPUTE_STOPPED = torch.utils.checkpoint._StopRecomputationError
 
 
 def is_batched(t: torch.Tensor) -> bool:

@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from . import _guard, _kernels, _master, _tuning
-from ._compat import (cudnn_enabled, device_type, exclude_autocast, function_mode_enabled, plain_eager,
-                      restore_autocast, to_copy)
+from ._compat import (RECOMPUTE_STOPPED, cudnn_enabled, device_type, exclude_autocast, function_mode_enabled,
+                      plain_eager, restore_autocast, to_copy)
 from ._plan import Plan
 
 _F32 = torch.float32
@@ -89,12 +89,13 @@ class Session:
         self._update, self._token, self._held = update, None, None
         self._autocast = exclude_autocast(device_type(input), eager=eager)
         try:
-            if plan.master and eager:
-                # The master takes the update (and is read in eval); it is rounded into the buffers.
-                self._held = _master.checked(running_mean, running_var, host)
+            if not (plan.master and eager):
+                mean, var = running_mean, running_var
+            elif update:  # the master takes the update, and is rounded into the buffers at the end
+                self._held = _master.for_update(running_mean, running_var, host)
                 mean, var = self._held.rows
             else:
-                mean, var = running_mean, running_var
+                mean, var = _master.for_reading(running_mean, running_var, host)
             self._stats = mean, var
             if update:
                 mean, var, self._token = _guard.begin(mean, var, guard=plan.guard, eager=eager, host=host, plain=plain,
@@ -205,12 +206,17 @@ def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool =
     step whose statistics are not finite leaves the running stats untouched (the output still
     carries the inf/NaN, so GradScaler sees it).
     """
-    shown = None
+    shown = stopped = None
     if plan.torch_output:
         # torch's own output (its kernel on the call as given, bit for bit); the kernel then has
         # nothing to differentiate and only brings the batch's FP32 statistics to the running stats.
         input, mean, var, weight, bias, training, momentum, eps = call
-        shown = original(input, None, None, weight, bias, training, momentum, eps)
+        try:
+            shown = original(input, None, None, weight, bias, training, momentum, eps)
+        except RECOMPUTE_STOPPED as stop:
+            # Stopped at the tensors that call saves, where torch's kernel has updated the stats:
+            # the update below stands too, and then the recompute stops.
+            stopped = stop
         call = (input.detach(), mean, var, None, None, training, momentum, eps)
     session = Session(original, call, plan, native)
     try:
@@ -220,6 +226,8 @@ def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool =
                 break
     finally:
         session.end()
+    if stopped is not None:
+        raise stopped
     if shown is not None:
         return shown
     out_dtype = plan.out_dtype

@@ -10,14 +10,18 @@ the code compiled in this process.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
 import warnings
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, ContextManager, Generator, Iterator, List, Optional, Set, Tuple, TypeVar, cast
 
 import torch
 from _amp_bn_fix_boot.settings import Config
 
 from . import _compat, _dispatch, _state
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _warned_compiled_scope = False
 
@@ -68,9 +72,6 @@ def _tag_compile_caches() -> None:
 def scoped_policy(name: Optional[str]) -> Iterator[None]:
     """Within the block, ``name`` is the policy of this context (``None``: the process-wide one)."""
     scope = _state.Scope(name)
-    policy = name or _state.config.policy
-    if _state.compiled_policies and policy not in _state.compiled_policies:
-        _warn_compiled_scope(policy)
     set_scopes(_state.scopes.get() + (scope,))
     try:
         yield
@@ -78,22 +79,107 @@ def scoped_policy(name: Optional[str]) -> Iterator[None]:
         set_scopes(tuple(s for s in _state.scopes.get() if s is not scope))
 
 
+class PolicyScope:
+    """A ``policy()`` scope: a context manager, and a decorator that opens a scope of its own
+    whenever the decorated code runs.
+
+    For a plain function that is each call; the body of a generator function or a coroutine function
+    runs later than its call, one step at a time, so the scope is open around each step (each
+    ``send``, ``throw`` and ``close``, each resumption of the coroutine) and closed while it is
+    suspended, where other code runs under its own scopes.
+    """
+
+    __slots__ = ("name", "_open")
+
+    def __init__(self, name: Optional[str]) -> None:
+        self.name = name
+        self._open: List[ContextManager[None]] = []
+
+    def __enter__(self) -> None:
+        scope = scoped_policy(self.name)
+        scope.__enter__()
+        self._open.append(scope)
+
+    def __exit__(self, *exc: Any) -> Optional[bool]:
+        return self._open.pop().__exit__(*exc)
+
+    def __call__(self, function: F) -> F:
+        name = self.name
+        if inspect.isasyncgenfunction(function):
+            raise TypeError(
+                f"amp_bn_fix.policy({name!r}) cannot decorate the async generator function "
+                f"{function.__qualname__}: open the scope inside it (with amp_bn_fix.policy(...): ...)")
+        if inspect.iscoroutinefunction(function):
+            @functools.wraps(function)
+            async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
+                # The scope lives in the task's context, set and reset around this await: a task
+                # switch inside it runs other tasks in their own contexts.
+                with scoped_policy(name):
+                    return await function(*args, **kwargs)
+
+            return cast(F, run_coroutine)
+        if inspect.isgeneratorfunction(function):
+            @functools.wraps(function)
+            def run_generator(*args: Any, **kwargs: Any) -> Any:
+                with scoped_policy(name):
+                    generator = function(*args, **kwargs)
+                return (yield from _in_scope_each_step(generator, name))
+
+            return cast(F, run_generator)
+
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with scoped_policy(name):
+                return function(*args, **kwargs)
+
+        return cast(F, run)
+
+
+def _in_scope_each_step(generator: Generator[Any, Any, Any], name: Optional[str]) -> Generator[Any, Any, Any]:
+    """Drive ``generator`` for ``yield from``, its every step under the scope ``name``."""
+    step: Callable[[], Any] = functools.partial(generator.send, None)
+    while True:
+        try:
+            with scoped_policy(name):
+                value = step()
+        except StopIteration as done:
+            return done.value
+        try:
+            sent = yield value
+        except GeneratorExit:
+            with scoped_policy(name):
+                generator.close()
+            raise
+        except BaseException as error:  # thrown in: the generator sees it at its yield
+            step = functools.partial(generator.throw, error)
+        else:
+            step = functools.partial(generator.send, sent)
+
+
 def set_scopes(scopes: Tuple[_state.Scope, ...]) -> None:
-    """Make ``scopes`` this context's open scopes (innermost last), and the compile caches' key follow."""
+    """Make ``scopes`` this context's open scopes (innermost last), and the compile caches' key follow.
+
+    Dynamo cannot guard on a scope: compiled code keeps the policy it was compiled under, inside
+    the block it was compiled in and outside it alike. Where the policy in force now is none that
+    code was compiled under, that code would not follow it: a warning says so, once.
+    """
     _state.swap_scopes(scopes)
     _tag_compile_caches()
+    compiled = _state.compiled_policies
+    if compiled and not _warned_compiled_scope:
+        policy = _state.policy(traced=False)
+        if policy not in compiled:
+            _warn_compiled_scope(policy, compiled)
 
 
-def _warn_compiled_scope(policy: str) -> None:
-    # Dynamo cannot guard on a scope: compiled code keeps the policy it was compiled under.
+def _warn_compiled_scope(policy: str, compiled: Set[str]) -> None:
     global _warned_compiled_scope
-    if not _warned_compiled_scope:
-        _warned_compiled_scope = True
-        compiled = ", ".join(sorted(_state.compiled_policies))
-        warnings.warn(
-            f"amp_bn_fix: policy({policy!r}) does not reach code torch.compile has already compiled "
-            f"(compiled under {compiled}): compiled functions keep the policy they were compiled "
-            "under. Compile inside the block, or call torch.compiler.reset() to recompile.",
-            RuntimeWarning,
-            stacklevel=6,  # the user's ``with amp_bn_fix.policy(...)`` line
-        )
+    _warned_compiled_scope = True
+    warnings.warn(
+        f"amp_bn_fix: the policy in force here, {policy!r}, does not reach code torch.compile has "
+        f"already compiled (under {', '.join(sorted(compiled))}): compiled functions keep the policy "
+        "they were compiled under, inside and outside the policy() block they were compiled in. Call "
+        "compiled code under that policy, or call torch.compiler.reset() to recompile.",
+        RuntimeWarning,
+        stacklevel=6,  # the user's ``with amp_bn_fix.policy(...)`` line, or the decorated function's call
+    )

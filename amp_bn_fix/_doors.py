@@ -222,7 +222,8 @@ def _average_copies(running_mean: Optional[torch.Tensor], running_var: Optional[
                 stat.copy_(copies.view(n, c).mean(0))
         return
     eager = untraced(running_mean, running_var)
-    guard = _state.config.guard and eager and running_mean.shape == running_var.shape
+    # Traced too (torch.compile, jit.trace): the guard's copies path is what tracers record.
+    guard = _state.config.guard and running_mean.shape == running_var.shape
     host = _tuning.host_route(running_mean)
     mean, var, token = _guard.begin(running_mean, running_var, guard=guard, eager=eager, host=host)
     foreach_copy((mean, var), (mean_copies.view(n, c).mean(0), var_copies.view(n, c).mean(0)))  # type: ignore[union-attr]

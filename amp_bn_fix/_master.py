@@ -10,9 +10,11 @@ update. Eval calls the shim computes read it, not the rounded buffers.
 A master belongs to the very buffer objects it was made for, and it holds only while those buffers
 still hold its rounding: every call that uses it first compares them, by value. Whatever changed
 the buffers (``load_state_dict``, an in-place op, a write through ``.data``, a collective such as
-``dist.broadcast``, torch's own update where the shim stepped aside), the master then starts again
-from their values. A write that leaves them as they were leaves the master, which lies within half a
-16-bit step of them, as good as one started from them. On the host route (CPU) the comparison is
+``dist.broadcast``, torch's own update where the shim stepped aside), the next training call starts
+the master again from their values, and an eval call reads their values and leaves the master as it
+is, so buffers swapped for a while and restored find it again. A write that leaves them as they were
+leaves the master, which lies within half a 16-bit step of them, as good as one started from them.
+On the host route (CPU) the comparison is
 read there; on the device route (CUDA) it is a select on the device, with no read. A master is
 dropped with its buffers and by ``disable()``; buffers without one start one at the next training
 call the shim computes, with autocast or without.
@@ -21,8 +23,8 @@ CUDA graphs: a replay runs the device ops captured and no Python. A master that 
 CUDA graph is captured is therefore checked on the device from then on (the captured check runs at
 every replay), and it stays the one tensor the graph holds: nothing replaces or drops it while its
 buffers live, ``disable()`` included. A captured call that finds no master makes one that holds
-nothing until that check fills it, at the first replay (or at an eager call before it): the
-captured graph never seeds it again from the rounded buffers.
+nothing until a training call's check fills it, at the first replay (or at an eager call before
+it): the captured graph never seeds it again from the rounded buffers.
 
 The cast hook (``_BatchNorm._apply``, patched by ``_patch``) carries masters along, so
 ``.to(device)`` and ``.float()`` lose nothing; with ``keep_fp32`` ``all`` or ``stats`` it keeps the
@@ -77,57 +79,86 @@ def _of(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[_Mast
     return master
 
 
-def checked(running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -> _Master:
-    """The master of these 16-bit stats, its FP32 ``(2, C)`` values checked against them (``host``:
-    read there), or started from their values if there is none."""
-    master = _of(running_mean, running_var)
-    if not _record.capturing():
-        if master is None:
-            buffers = torch.stack((running_mean, running_var))
-            return seed(running_mean, running_var, buffers.to(_F32), buffers)
-        _checked(master, running_mean, running_var, host)
-        return master
-    # Captured into a CUDA graph: checked on the device from now on. One made here holds nothing
-    # yet (the op that made it would run at every replay): the check fills it.
+def for_update(running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -> _Master:
+    """The master a training call updates, and :func:`commit` then rounds into these 16-bit stats:
+    checked against them (``host``: read there), taking their values where they changed, or
+    started from their values if there is none."""
+    capturing = _record.capturing()
+    master = _kept(running_mean, running_var, capturing)
     if master is None:
-        shape, device = (2, *running_mean.shape), running_mean.device
-        # Uninitialized both: the check at the first replay finds the buffers changed (as good
-        # as certain: the odds that garbage equals them bit for bit are nil) and fills it.
-        master = seed(running_mean, running_var, torch.empty(shape, dtype=_F32, device=device),
-                      torch.empty(shape, dtype=running_mean.dtype, device=device))
-    master.captured = True
-    _checked(master, running_mean, running_var, False)
+        buffers = torch.stack((running_mean, running_var))
+        return seed(running_mean, running_var, buffers.to(_F32), buffers)
+    _checked(master, running_mean, running_var, host and not capturing, in_place=True)
     return master
 
 
-def _checked(master: _Master, running_mean: torch.Tensor, running_var: torch.Tensor, host: bool) -> torch.Tensor:
-    """The master's values, started again from the buffers unless they hold what it wrote last.
+def for_reading(running_mean: torch.Tensor, running_var: torch.Tensor,
+                host: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The FP32 running stats an eval call reads: the master's rows where the buffers hold what it
+    wrote last, else their own values. Reading changes no master: buffers swapped for a while (an
+    EMA's stats for validation) and then restored find theirs again."""
+    capturing = _record.capturing()
+    master = _kept(running_mean, running_var, capturing)
+    if master is None:
+        return running_mean.to(_F32), running_var.to(_F32)
+    values = _checked(master, running_mean, running_var, host and not capturing, in_place=False)
+    return master.rows if values is master.values else values.unbind()
+
+
+def _kept(running_mean: torch.Tensor, running_var: torch.Tensor, capturing: bool) -> Optional[_Master]:
+    """The master of these stats. While a CUDA graph is captured it is marked so (checked on the
+    device from now on), and one is made if there is none: it holds nothing until a training
+    call's check fills it (the op that filled it at once would run at every replay)."""
+    master = _of(running_mean, running_var)
+    if not capturing:
+        return master
+    if master is None:
+        shape, device = (2, *running_mean.shape), running_mean.device
+        # Uninitialized both: the first check finds the buffers changed (as good as certain: the
+        # odds that garbage equals them bit for bit are nil) and takes their values.
+        master = seed(running_mean, running_var, torch.empty(shape, dtype=_F32, device=device),
+                      torch.empty(shape, dtype=running_mean.dtype, device=device))
+    master.captured = True
+    return master
+
+
+def _checked(master: _Master, running_mean: torch.Tensor, running_var: torch.Tensor, host: bool, *,
+             in_place: bool) -> torch.Tensor:
+    """The master's values, or the buffers' where they do not hold what it wrote last.
 
     A master whose rounding the buffers hold is as good as one started from them (both lie within
-    half a 16-bit step of them); one whose buffers were written since (or that holds nothing yet)
-    takes their values, NaN included. ``host``: compared there; else a select on the device, no
-    read (until the next update writes the buffers, each call selects their values again: the
-    same values). Written through ``.data``: no version bump, as with the rest of the running-stat update.
+    half a 16-bit step of them); buffers written since (or a master that holds nothing yet) give
+    their values, NaN included. ``host``: compared there; else a select on the device, no read.
+    ``in_place`` (an update follows, and its commit): the master takes the buffers' values, through
+    ``.data`` (no version bump, as with the rest of the running-stat update); else a new tensor,
+    and the master stays as it is.
     """
     values, written = master.values, master.written
     if host:
         held_mean, held_var = master.written_rows
-        if not (torch.equal(held_mean, running_mean) and torch.equal(held_var, running_var)):
-            buffers = torch.stack((running_mean, running_var))
-            foreach_copy((values.data, written), (buffers, buffers))
+        if torch.equal(held_mean, running_mean) and torch.equal(held_var, running_var):
+            return values
+        buffers = torch.stack((running_mean, running_var))
+        if not in_place:
+            return buffers.to(_F32)
+        foreach_copy((values.data, written), (buffers, buffers))
         return values
     buffers = torch.stack((running_mean, running_var))
     stale = torch.ne(written, buffers).any()
+    if not in_place:
+        return torch.where(stale, buffers, values)
+    # ``written`` is left as it is: the commit after the update writes it.
     torch.where(stale, buffers, values.data, out=values.data)
     return values
 
 
 def peek(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[torch.Tensor]:
-    """The master of these stats, checked against them, if one is kept (nothing is made)."""
+    """The FP32 ``(2, C)`` values an eval call would read for these stats, if they have a master
+    (nothing is made or changed)."""
     master = _of(running_mean, running_var)
     if master is None:
         return None
-    return _checked(master, running_mean, running_var, _tuning.host_route(running_mean))
+    return _checked(master, running_mean, running_var, _tuning.host_route(running_mean), in_place=False)
 
 
 def holds_more(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
@@ -273,7 +304,9 @@ def apply_carrying_masters(
 
     def carrying_fn(tensor: torch.Tensor) -> torch.Tensor:
         result = fn(tensor)
-        if not (tensor is mean or tensor is var) or result.is_meta:
+        # A cast that leaves a buffer where it is (to its own device or dtype, ``share_memory()``)
+        # leaves it: the same object, shared memory and all, as in plain torch.
+        if result is tensor or not (tensor is mean or tensor is var) or result.is_meta:
             return result
         if result.dtype is torch.float32 and tensor.dtype in LOW_PRECISION:
             # Back to FP32: the master's values, not the rounded ones.
@@ -286,6 +319,8 @@ def apply_carrying_masters(
 
     out = original(carrying_fn, *rest, **rest_kwargs)
     new_mean, new_var = module._buffers.get("running_mean"), module._buffers.get("running_var")
+    if new_mean is mean and new_var is var:  # the master goes on with its buffers
+        return out
     if (
         new_mean is not None and new_var is not None and new_mean.dtype in LOW_PRECISION and new_var.dtype is new_mean.dtype
         and not new_mean.is_meta and (devices is None or new_mean.device.type in devices)

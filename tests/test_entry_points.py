@@ -415,6 +415,36 @@ def test_the_guard_keeps_instance_norm_stats_exactly(bad):
     assert not torch.equal(norm.running_mean, before[0]) and torch.isfinite(norm.running_var).all()
 
 
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
+@pytest.mark.parametrize("how", ["torch.compile", "jit.trace"])
+def test_the_guard_keeps_instance_norm_stats_under_tracers(how):
+    # The write-back tracers record (ordinary in-place ops behind a select) carries the guard too.
+    norm = seeded(nn.InstanceNorm2d(C, affine=True, track_running_stats=True))
+    before = norm.running_mean.clone(), norm.running_var.clone()
+    x = make_input(ENTRY["InstanceNorm2d-tracked"], torch.bfloat16).detach()
+    x[1, 2, 0, 0] = float("nan")
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.norm(t)
+
+    step = Step()
+    if how == "torch.compile":
+        torch._dynamo.reset()
+        try:
+            torch.compile(step, backend="aot_eager", fullgraph=True)(x)
+        finally:
+            torch._dynamo.reset()
+    else:
+        torch.jit.trace(step, (x,), check_trace=False)
+    assert torch.equal(norm.running_mean, before[0]) and torch.equal(norm.running_var, before[1])
+
+
 _BITS = {"-0.0": -0.0, "inf": float("inf"), "snan": None}
 
 

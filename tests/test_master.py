@@ -129,22 +129,26 @@ def _eval_autocast(bn, written):
     assert_near(out, expected.out, 1)
 
 
+def _trains_from(bn, start, autocast=True):
+    """A training step's FP32 update starts from ``start`` (FP32 or 16-bit mean and var), and the
+    buffers hold its rounding."""
+    x = _input(bn.weight.dtype)
+    with torch.autocast("cpu", dtype=bn.weight.dtype, enabled=autocast):
+        bn.train()(x)
+    expected = fp64_batch_norm(x, *start, None, None, True, 0.1, bn.eps)
+    mean64, var64 = expected.running_mean, expected.running_var
+    master = _master.peek(bn.running_mean, bn.running_var)
+    assert master is not None
+    n = x.numel() // C
+    assert_near(master[0], mean64, n, scale=mean64.abs().max().item() + 1, what="mean")
+    assert_near(master[1], var64, n, scale=var64.abs().max().item(), what="var")
+    assert torch.equal(bn.running_mean, master[0].to(bn.running_mean.dtype))
+    assert torch.equal(bn.running_var, master[1].to(bn.running_var.dtype))
+
+
 def _train_step(autocast):
-    def step(bn, written):
-        # The FP32 update starts from the values written, and the buffers hold its rounding.
-        x = _input(bn.weight.dtype)
-        with torch.autocast("cpu", dtype=bn.weight.dtype, enabled=autocast):
-            bn.train()(x)
-        expected = fp64_batch_norm(x, *written, None, None, True, 0.1, bn.eps)
-        mean64, var64 = expected.running_mean, expected.running_var
-        master = _master.peek(bn.running_mean, bn.running_var)
-        assert master is not None
-        n = x.numel() // C
-        assert_near(master[0], mean64, n, scale=mean64.abs().max().item() + 1, what="mean")
-        assert_near(master[1], var64, n, scale=var64.abs().max().item(), what="var")
-        assert torch.equal(bn.running_mean, master[0].to(bn.running_mean.dtype))
-        assert torch.equal(bn.running_var, master[1].to(bn.running_var.dtype))
-    return step
+    # The FP32 update starts from the values written.
+    return lambda bn, written: _trains_from(bn, written, autocast)
 
 
 def _to_fp32(bn, written):
@@ -206,3 +210,47 @@ def test_buffers_given_another_shape_through_data_start_a_new_master(both_routes
     assert master.shape == (2, len(keep))
     var64 = expected.running_var
     assert_near(master[1], var64, n, scale=var64.abs().max().item(), what="var")
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_an_eval_call_leaves_the_master_and_restored_buffers_find_it(both_routes, dtype):
+    # Validation with other stats swapped in (an EMA's), then the training state restored.
+    bn = _model(dtype)
+    master = _master.peek(bn.running_mean, bn.running_var).clone()
+    saved = copy.deepcopy(bn.state_dict())
+    _write_state_dict(bn)
+    _eval_autocast(bn, (bn.running_mean.detach().clone(), bn.running_var.detach().clone()))
+    bn.load_state_dict(saved)
+    assert torch.equal(_master.peek(bn.running_mean, bn.running_var), master)
+    _trains_from(bn, master)  # not from the values that were swapped in
+
+
+CASTS_IN_PLACE = {
+    "to-own-device": lambda bn: bn.to("cpu"),
+    "to-own-dtype": lambda bn: bn.to(bn.running_mean.dtype),
+    "own-16-bit-method": lambda bn: bn.half() if bn.running_mean.dtype is torch.float16 else bn.bfloat16(),
+    "memory-format": lambda bn: bn.to(memory_format=torch.channels_last),
+    "share_memory": lambda bn: bn.share_memory(),
+    "to-own-device-in-inference-mode": lambda bn: _in_inference_mode(bn.to, "cpu"),
+}
+
+
+def _in_inference_mode(fn, *args):
+    with torch.inference_mode():
+        return fn(*args)
+
+
+@pytest.mark.parametrize("cast", list(CASTS_IN_PLACE))
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_a_cast_that_leaves_the_buffers_where_they_are_leaves_them_and_their_master(both_routes, dtype, cast):
+    # As in plain torch: the same buffer objects (shared memory, ties and references stay), no
+    # inference tensors made by a no-op move, and the master goes on.
+    bn = _model(dtype)
+    mean, var = bn.running_mean, bn.running_var
+    master = _master.peek(mean, var).clone()
+    CASTS_IN_PLACE[cast](bn)
+    assert bn.running_mean is mean and bn.running_var is var
+    assert not mean.is_inference()
+    assert mean.is_shared() is (cast == "share_memory")
+    assert torch.equal(_master.peek(mean, var), master)
+    _trains_from(bn, master)

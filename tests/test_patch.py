@@ -15,7 +15,7 @@ import amp_bn_fix
 from _bounds import assert_near, assert_within, rounding_bound, same_computation_bound
 from _builders import fp64_batch_norm, fp64_module
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env, compare_outcomes, outcome, shim_disabled
-from amp_bn_fix import _config, _patch
+from amp_bn_fix import _config, _patch, _state
 
 
 
@@ -499,9 +499,32 @@ def test_scope_around_compiled_code_warns_that_it_does_not_reach_it(monkeypatch)
         warnings.simplefilter("error")
         with amp_bn_fix.policy("fp32"):  # the policy it was compiled under: nothing to say
             assert compiled(x).dtype is torch.float32
-    with pytest.warns(RuntimeWarning, match=r"policy\('input'\) does not reach code torch.compile") as record:
+    with pytest.warns(RuntimeWarning, match=r"in force here, 'input', does not reach code torch.compile") as record:
         with amp_bn_fix.policy("input"):
             pass
+    assert record[0].filename == __file__
+
+
+@pytest.mark.parametrize("how", ["with", "decorator"])
+def test_leaving_the_scope_compiled_code_was_compiled_in_warns_that_it_keeps_that_policy(monkeypatch, how):
+    # Compiled inside a policy() block, as the warning above recommends: the code keeps that policy
+    # after the block too, where another one is in force.
+    monkeypatch.setattr(_config, "_warned_compiled_scope", False)
+    monkeypatch.setattr(_state, "compiled_policies", set())
+    torch._dynamo.reset()
+    step, compiled = compiled_bn_step()
+    x = torch.randn(64, 8)
+
+    @amp_bn_fix.policy("input")
+    def call():
+        return compiled(x)
+
+    with pytest.warns(RuntimeWarning, match=r"in force here, 'fp32', does not reach code .*\(under input\)") as record:
+        if how == "with":
+            with amp_bn_fix.policy("input"):
+                assert compiled(x).dtype is torch.bfloat16  # compiled here, under "input"
+        else:
+            assert call().dtype is torch.bfloat16
     assert record[0].filename == __file__
 
 

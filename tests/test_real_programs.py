@@ -675,6 +675,66 @@ def test_generators_consumed_alternately_leave_nothing_behind():
     assert amp_bn_fix.get_policy() == "fp32" and bn_dtype() is torch.float32
 
 
+@pytest.mark.usefixtures("nothing_compiled")
+def test_a_decorated_coroutine_function_runs_its_body_in_the_scope():
+    # Its body runs when the task awaits it, not when it is called: the scope opens there, and
+    # other tasks interleaved with it keep theirs.
+    seen = []
+
+    def decorated(name):
+        @amp_bn_fix.policy(name)
+        async def evaluate():
+            for _ in range(3):
+                await asyncio.sleep(0)
+                seen.append((name, amp_bn_fix.get_policy(), bn_dtype()))
+            return amp_bn_fix.get_policy()
+
+        return evaluate
+
+    async def main():
+        return await asyncio.gather(decorated("input")(), decorated("off")())
+
+    assert asyncio.run(main()) == ["input", "off"]
+    assert sorted(set(seen)) == [("input", "input", BF16), ("off", "off", BF16)]
+    assert len(seen) == 6 and seen[0][0] != seen[1][0]  # they did interleave
+    assert amp_bn_fix.get_policy() == "fp32"
+
+
+@pytest.mark.usefixtures("nothing_compiled")
+def test_a_decorated_generator_function_runs_each_step_in_the_scope():
+    # Each step runs under the scope, the caller between steps under its own; values sent and
+    # thrown in reach the body, and its return value the caller.
+    @amp_bn_fix.policy("input")
+    def steps():
+        received = yield amp_bn_fix.get_policy(), bn_dtype()
+        try:
+            yield received, amp_bn_fix.get_policy()
+        except KeyError as error:
+            yield "caught", error.args[0], amp_bn_fix.get_policy()
+        return "done"
+
+    gen = steps()
+    assert amp_bn_fix.get_policy() == "fp32"  # nothing runs at the call
+    assert next(gen) == ("input", BF16)
+    assert amp_bn_fix.get_policy() == "fp32" and bn_dtype() is torch.float32
+    assert gen.send("sent") == ("sent", "input")
+    assert gen.throw(KeyError("thrown")) == ("caught", "thrown", "input")
+    with pytest.raises(StopIteration) as stop:
+        next(gen)
+    assert stop.value.value == "done"
+    closed = steps()
+    next(closed)
+    closed.close()
+    assert amp_bn_fix.get_policy() == "fp32"
+
+
+def test_an_async_generator_function_is_refused_as_a_decorated_one():
+    with pytest.raises(TypeError, match="async generator function .*open the scope inside it"):
+        @amp_bn_fix.policy("input")
+        async def stream():
+            yield None
+
+
 # --- 7. meta device ----------------------------------------------------------------------------
 
 
