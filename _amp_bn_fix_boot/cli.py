@@ -28,18 +28,41 @@ PROG = COMMAND
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser, whose error for an unknown option names the closest valid ones."""
+    """argparse's parser, whose error for an unknown option says what was meant: the closest option
+    of the command in use, or where an option of another one goes."""
+
+    _words: List[str] = []
+
+    def parse_known_args(self, args: Optional[Sequence[str]] = None, namespace: Optional[argparse.Namespace] = None):  # type: ignore[override]
+        self._words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]
         if message.startswith("unrecognized arguments:"):
-            known = [o for action in self._actions for o in action.option_strings]
-            for subparsers in (a for a in self._actions if isinstance(a, argparse._SubParsersAction)):
-                known += [o for parser in subparsers.choices.values() for a in parser._actions for o in a.option_strings]
             for word in message.split(":", 1)[1].split():
-                close = difflib.get_close_matches(word, sorted(set(known)), n=3, cutoff=0.6)
-                if word.startswith("-") and close:
-                    message += f" (did you mean {' or '.join(close)}?)"
+                hint = self._hint(word.split("=", 1)[0]) if word.startswith("-") else None
+                if hint:
+                    message += f" ({hint})"
         super().error(message)
+
+    def _hint(self, option: str) -> Optional[str]:
+        own = [o for action in self._actions for o in action.option_strings]
+        commands: Dict[str, argparse.ArgumentParser] = {}
+        for subparsers in (a for a in self._actions if isinstance(a, argparse._SubParsersAction)):
+            commands.update(subparsers.choices)
+        name = next((word for word in self._words if word in commands), None)
+        if name is None:
+            known = own
+        else:
+            known = [o for action in commands[name]._actions for o in action.option_strings]
+            if option in own:
+                return f"{option} goes before the command: {self.prog} {option}"
+            others = [other for other, parser in commands.items()
+                      if other != name and any(option in a.option_strings for a in parser._actions)]
+            if others:
+                return f"{option} is an option of {' and '.join(others)}, not of {name}"
+        close = difflib.get_close_matches(option, sorted(set(known)), n=3, cutoff=0.6)
+        return f"did you mean {' or '.join(close)}?" if close else None
 
 
 def _option_type(setting: settings.Setting) -> Callable[[str], str]:
@@ -89,9 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "check",
         help="versions, devices, settings, start-up hook and a self-test",
-        description="Print the versions, the devices autocast can use, whether the shim is active, each "
-        "setting and where it came from, the start-up hook's state and a self-test on each device. Exits "
-        "with 1 when the self-test fails.",
+        description="Print the versions, the devices autocast can use, each setting and where it came "
+        "from, the start-up hook's state, whether a fresh interpreter here gets the shim at import torch "
+        "(and why not), and a self-test on each device. Exits with 1 when the self-test fails, when a "
+        "process asking for the shim (AMP_BN_FIX=1) would not get it, or when AMP_BN_FIX cannot be read; "
+        "with 2 for a bad value of another AMP_BN_FIX_* variable.",
     )
     check.set_defaults(func=_in_package("check"))
     add_run_parser(commands)

@@ -24,11 +24,12 @@ class StartupStatus(NamedTuple):
     requested: bool  # AMP_BN_FIX asks for the shim
     unknown: List[Tuple[str, Optional[str]]]  # misspelled AMP_BN_FIX_* names, with the closest valid one
     problems: List[str]  # why a process asking for the shim would not get it
+    policy_off: bool  # AMP_BN_FIX_POLICY=off: the hook's import of the package installs nothing
 
     @property
     def will_enable(self) -> bool:
         """Whether ``import torch`` enables the shim in a process of this environment."""
-        return self.requested and not self.problems
+        return self.requested and not self.problems and not self.policy_off
 
 
 def shadowing_folder() -> Optional[str]:
@@ -66,8 +67,9 @@ def gather(environ: Optional[dict] = None) -> StartupStatus:
         requested = settings.hook_requested(environ)
     except ValueError as exc:
         problems.append(str(exc))
+    policy_off = False
     try:
-        settings.from_env(environ)
+        policy_off = settings.from_env(environ).policy == "off"
     except ValueError as exc:
         problems.append(str(exc))
     if not files and not bootstrap:
@@ -79,7 +81,8 @@ def gather(environ: Optional[dict] = None) -> StartupStatus:
     folder = shadowing_folder()
     if folder is not None:
         problems.append(describe_shadowing(folder))
-    return StartupStatus(files, bootstrap, environ.get(ENV_ENABLE), requested, settings.unknown_names(environ), problems)
+    return StartupStatus(files, bootstrap, environ.get(ENV_ENABLE), requested, settings.unknown_names(environ), problems,
+                         policy_off)
 
 
 def summary(status: StartupStatus) -> str:
@@ -88,6 +91,8 @@ def summary(status: StartupStatus) -> str:
         return f"{PACKAGE}: the shim is enabled when a Python process of this environment imports torch"
     if status.problems:
         return f"{PACKAGE}: not enabled at import torch: " + "; ".join(status.problems)
+    if status.requested:  # and the policy off
+        return f"{PACKAGE}: off: {settings.BY_NAME['policy'].env}=off (import torch loads it, and it installs nothing)"
     given = [s.env for s in settings.SETTINGS if s.scope != "hook" and s.env in os.environ]
     note = f" ({', '.join(given)} set, but they apply only with it)" if given else ""
     return f"{PACKAGE}: off: {ENV_ENABLE} is not set to 1{note}"

@@ -17,7 +17,7 @@ from _amp_bn_fix_boot import settings
 from _amp_bn_fix_boot._version import __version__
 
 from . import _patch, _state
-from ._demo import autocast_devices, cases, report_network
+from ._demo import autocast_devices, cases, expected_output, report_network
 
 
 # What has run where, said wherever a GPU user meets the package (README, FAQ, compatibility.md).
@@ -97,21 +97,6 @@ def self_test(device: str, dtype: torch.dtype) -> SelfTest:
             return _report_case(device, dtype, config)
     except Exception as exc:
         return SelfTest(device, dtype, False, f"error: {type(exc).__name__}: {exc}")
-
-
-class Expected(NamedTuple):
-    dtype: torch.dtype  # BatchNorm's output dtype in the self-test
-    passed_through: bool  # the settings leave the call to torch
-    why: str
-
-
-def expected_output(config: settings.Config, device: str, dtype: torch.dtype) -> Expected:
-    """What the self-test's BatchNorm returns under ``config`` and ``dtype`` autocast on ``device``."""
-    if config.devices is not None and device not in config.devices:
-        return Expected(dtype, True, f"passed through: {device} is not among the devices ({config.describe('devices')})")
-    if config.policy == "off":
-        return Expected(dtype, True, "passed through: policy off")
-    return Expected(torch.float32 if config.policy == "fp32" else dtype, False, f"policy {config.policy}")
 
 
 def _report_case(device: str, dtype: torch.dtype, config: settings.Config) -> SelfTest:

@@ -33,15 +33,29 @@ def demo(args: Optional[argparse.Namespace] = None) -> int:
     name = _check.dtype_name
     table = [[r.device, name(r.autocast_dtype), r.layer, name(r.without), name(r.with_shim), name(r.expected)] for r in rows]
     print(_format_table(["device", "autocast", "layer", "without shim", "with shim", "expected"], table))
-    ok, verdict = demo_verdict(policy, all(r.with_shim == r.expected for r in rows))
+    devices = _state.config.devices
+    left_out = sorted({r.device for r in rows if devices is not None and r.device not in devices})
+    ok, verdict = demo_verdict(policy, all(r.with_shim == r.expected for r in rows), left_out,
+                               len(left_out) == len({r.device for r in rows}))
     print(f"\n{verdict}")
     return 0 if ok else 1
 
 
-def demo_verdict(policy: str, as_expected: bool) -> Tuple[bool, str]:
-    """(passed, one line) for the demo's table."""
+_DEVICES_VARIABLE = settings.BY_NAME["devices"].env
+
+
+def demo_verdict(policy: str, as_expected: bool, left_out: Sequence[str] = (), all_left_out: bool = False) -> Tuple[bool, str]:
+    """(passed, one line) for the demo's table; ``left_out``: its device types that
+    ``AMP_BN_FIX_DEVICES`` leaves to torch (``all_left_out``: every one of them)."""
     if not as_expected:
         return False, "MISMATCH: with the shim some layer does not have the expected dtype (see the table; amp-bn-fix check runs a self-test)"
+    if left_out:
+        devices = ", ".join(left_out)
+        if all_left_out:
+            return True, (f"with the shim every layer has the expected dtype; both columns match because "
+                          f"{_DEVICES_VARIABLE} leaves {devices} to torch, which the shim passes through untouched")
+        policy_line = demo_verdict(policy, True)[1]
+        return True, f"{policy_line} ({devices}: passed through untouched, not among {_DEVICES_VARIABLE})"
     if policy == "fp32":
         return True, f"with the shim every layer has the expected dtype: BatchNorm1d returns float32, as {REPORT} asks"
     why = {
@@ -100,7 +114,7 @@ def check(args: Optional[argparse.Namespace] = None) -> int:
     for line in fresh.stderr:
         print(_indent(line))
     print(_indent(startup.summary(status)))
-    broken = bool(status.problems) or (status.requested and fresh.enabled is not True)
+    broken = bool(status.problems) or (status.will_enable and fresh.enabled is not True)
     print("\nself-test (Linear -> BatchNorm1d -> Linear under autocast, the settings above):")
     results = [_check.self_test(device, dtype) for device, dtype in _check.cases()]
     rows = [[r.device, _check.dtype_name(r.dtype), "ok" if r.ok else "FAIL", r.detail] for r in results]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Iterator, List, NamedTuple, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
+from _amp_bn_fix_boot.settings import Config
 from torch import nn
 
 from . import _patch, _state
@@ -72,16 +73,23 @@ def _layer_dtypes(net: nn.Sequential, device: str, dtype: torch.dtype) -> List[t
     return dtypes
 
 
-def expected_dtype(layer: nn.Module, dtype: torch.dtype, policy: str) -> torch.dtype:
-    """The output dtype of ``layer`` in the report's network under ``dtype`` autocast with ``policy``.
+class Expected(NamedTuple):
+    dtype: torch.dtype  # BatchNorm's output dtype under autocast
+    passed_through: bool  # the settings leave the call to torch
+    why: str
 
-    Linear runs in autocast's dtype. BatchNorm receives that dtype and returns float32 with the
-    ``fp32`` policy (what the report asks for); with ``input``, ``autocast`` and ``off`` it returns
-    the dtype it receives, which here is autocast's too.
-    """
-    if isinstance(layer, nn.modules.batchnorm._BatchNorm) and policy == "fp32":
-        return torch.float32
-    return dtype
+
+def expected_output(config: Config, device: str, dtype: torch.dtype, policy: Optional[str] = None) -> Expected:
+    """What a BatchNorm after a Linear returns under ``dtype`` autocast on ``device`` with ``config``
+    (and ``policy`` in force, by default the config's): float32 with ``fp32``, what it receives,
+    autocast's dtype, with ``input`` and ``autocast``, and torch's own where the policy is ``off``
+    or the settings leave ``device`` out."""
+    policy = policy or config.policy
+    if config.devices is not None and device not in config.devices:
+        return Expected(dtype, True, f"passed through: {device} is not among the devices ({config.describe('devices')})")
+    if policy == "off":
+        return Expected(dtype, True, "passed through: policy off")
+    return Expected(torch.float32 if policy == "fp32" else dtype, False, f"policy {policy}")
 
 
 def report_rows(device: str, dtype: torch.dtype) -> List[DemoRow]:
@@ -90,12 +98,13 @@ def report_rows(device: str, dtype: torch.dtype) -> List[DemoRow]:
     The shim runs with the policy in force in this thread. Leaves the patch as it found it.
     """
     net = report_network(device)
-    policy = _state.policy()
+    batch_norm = expected_output(_state.config, device, dtype, _state.policy()).dtype
     with _patch.uninstalled():
         without = _layer_dtypes(net, device, dtype)
     with _patch.installed():
         with_shim = _layer_dtypes(net, device, dtype)
     return [
-        DemoRow(device, dtype, type(layer).__name__, a, b, expected_dtype(layer, dtype, policy))
+        DemoRow(device, dtype, type(layer).__name__, a, b,
+                batch_norm if isinstance(layer, nn.modules.batchnorm._BatchNorm) else dtype)
         for layer, a, b in zip(net, without, with_shim)
     ]

@@ -141,6 +141,23 @@ def test_check_fails_where_the_hook_is_not_in_a_site_directory(tmp_path, monkeyp
     assert "installed   no (not in a site directory of this interpreter)" in out
 
 
+def test_the_policy_off_is_off_as_asked_not_a_failure(monkeypatch, capsys):
+    # AMP_BN_FIX=1 with AMP_BN_FIX_POLICY=off: the hook loads the package, which installs nothing.
+    from _amp_bn_fix_boot import status
+
+    env = dict(os.environ, AMP_BN_FIX="1", AMP_BN_FIX_POLICY="off")
+    found = status.gather(env)
+    assert found.requested and not found.problems and not found.will_enable
+    assert status.summary(found) == "amp_bn_fix: off: AMP_BN_FIX_POLICY=off (import torch loads it, and it installs nothing)"
+    monkeypatch.setenv("AMP_BN_FIX", "1")
+    monkeypatch.setenv("AMP_BN_FIX_POLICY", "off")
+    monkeypatch.setattr(_check, "fresh_interpreter", lambda: _check.FreshInterpreter(False, []))
+    amp_bn_fix.configure(policy="off")
+    code, out = check(capsys)
+    assert code == 0, out
+    assert "AMP_BN_FIX_POLICY=off" in out and "the shim is enabled when" not in out
+
+
 def test_check_with_a_bad_setting_is_a_clean_error():
     result = subprocess.run(
         [sys.executable, "-c", "import sys; from _amp_bn_fix_boot import cli as launcher; sys.exit(launcher.main(['check']))"],

@@ -61,6 +61,15 @@ def test_demo_with_another_policy_says_why_both_columns_match(capsys, policy, bn
     assert f"both columns match because the policy is {policy}" in verdict and "fp32, returns float32" in verdict
 
 
+def test_demo_with_the_device_left_out_expects_torch_s_dtypes_and_says_why(capsys):
+    amp_bn_fix.configure(devices=["cuda"])
+    assert launcher.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    row = next(r for r in demo_rows(out) if r[:3] == ["cpu", "bfloat16", "BatchNorm1d"])
+    assert row[3:] == ["bfloat16", "bfloat16", "bfloat16"]
+    assert "AMP_BN_FIX_DEVICES leaves cpu to torch" in out.rstrip().splitlines()[-1]
+
+
 def test_demo_fails_when_the_shim_does_not_give_the_expected_dtype(capsys, shim_decides_nothing):
     assert launcher.main(["demo"]) == 1
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("MISMATCH")

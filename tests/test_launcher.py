@@ -190,6 +190,20 @@ def test_a_misspelled_option_names_the_closest_valid_one(capsys):
     assert "unrecognized arguments: --polcy" in err and "(did you mean --policy?)" in err
 
 
+@pytest.mark.parametrize("args, hint", [
+    (["demo", "--policy", "input"], "(--policy is an option of run, not of demo)"),
+    (["check", "--version"], "(--version goes before the command: amp-bn-fix --version)"),
+    (["check", "--polcy=input"], None),  # check has no option close to it: no suggestion
+])
+def test_an_option_of_another_command_says_where_it_goes(capsys, args, hint):
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("amp-bn-fix: error: unrecognized arguments:")
+    assert err.endswith(hint) if hint else "(" not in err, err
+
+
 def test_version_costs_no_torch_import(capsys):
     from _amp_bn_fix_boot._version import __version__
 
