@@ -39,7 +39,7 @@ GENERATOR = next(name for name in ("_checkpoint_without_reentrant_generator_impl
 
 
 class _RunInScopes:
-    """``function``, run with ``scopes`` as the open scopes (and their mirror for dynamo's tracing).
+    """``function``, run with ``scopes`` as the open scopes.
 
     The scopes replace those of wherever it runs, and are put back afterwards, even when the call
     raises (non-reentrant checkpointing stops a recompute by raising out of it).

@@ -167,7 +167,7 @@ def set_scopes(scopes: Tuple[_state.Scope, ...]) -> None:
     _tag_compile_caches()
     compiled = _state.compiled_policies
     if compiled and not _warned_compiled_scope:
-        policy = _state.policy(traced=False)
+        policy = _state.policy()
         if policy not in compiled:
             _warn_compiled_scope(policy, compiled)
 

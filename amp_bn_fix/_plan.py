@@ -321,7 +321,7 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
     found: Any = _MISSING
     if (training is True or training is False) and untraced(input, mean, var, weight, bias):
         kind = device_type(input)
-        policy = _state.policy(kind, traced=False)
+        policy = _state.policy(kind)
         key = _key(call, guard, policy, kind)
         if key is not None:
             owner, memo = _memo

@@ -13,7 +13,6 @@ import contextvars
 import threading
 from typing import Optional, Set, Tuple
 
-import torch
 from _amp_bn_fix_boot.settings import Config
 
 # Held by every writer of the process-wide state below (installing and removing the patches, the
@@ -35,9 +34,6 @@ class _ThreadState(threading.local):
     # subclasses and TorchFunctionModes call F.batch_norm again from inside it, and the op it
     # reaches calls the dispatcher door; the decision applies once.
     inside = False
-    # The innermost scope's policy on this thread, for code dynamo traces (``get_policy()`` inside
-    # a compiled function): dynamo cannot read a ContextVar.
-    compiled_policy: Optional[str] = None
     # How many of this thread's TorchDispatchModes are ``amp_bn_fix.testing``'s traffic counters:
     # they see every kernel and record nothing, so a call under them is still plain eager.
     counters = 0
@@ -60,45 +56,40 @@ class Scope:
 # is never changed under another's feet; scopes leave by identity, so blocks exited out of order
 # (generators consumed alternately) leave nothing behind.
 scopes: contextvars.ContextVar[Tuple[Scope, ...]] = contextvars.ContextVar("amp_bn_fix_scopes", default=())
-# What ``restore_scopes`` puts back: the variable's token and this thread's mirror before the swap.
-ScopesToken = Tuple["contextvars.Token[Tuple[Scope, ...]]", Optional[str]]
 
 
-def swap_scopes(open_scopes: Tuple[Scope, ...]) -> ScopesToken:
-    """Make ``open_scopes`` this context's open scopes (innermost last), and mirror their policy
-    into ``thread.compiled_policy`` for code dynamo traces; returns what undoes both.
+def swap_scopes(open_scopes: Tuple[Scope, ...]) -> "contextvars.Token[Tuple[Scope, ...]]":
+    """Make ``open_scopes`` this context's open scopes (innermost last); returns what undoes it.
 
-    The scopes' one writer, so the variable and its mirror change together.
+    The scopes' one writer.
     """
-    mirrored = thread.compiled_policy
-    thread.compiled_policy = open_scopes[-1].policy if open_scopes else None
-    return scopes.set(open_scopes), mirrored
+    return scopes.set(open_scopes)
 
 
-def restore_scopes(token: ScopesToken) -> None:
-    """Put back the scopes and their mirror as they were before the ``swap_scopes`` that returned ``token``."""
-    variable_token, thread.compiled_policy = token
-    scopes.reset(variable_token)
+def restore_scopes(token: "contextvars.Token[Tuple[Scope, ...]]") -> None:
+    """Put back the scopes as they were before the ``swap_scopes`` that returned ``token``."""
+    scopes.reset(token)
 
 
-# The policies torch.compile has compiled batch-norm calls under (``_config.scoped_policy`` warns
-# when a scope asks for another one).
+# The policies torch.compile has compiled batch-norm calls under (``_config.set_scopes`` warns
+# where the policy in force is none of them).
 compiled_policies: Set[str] = set()
-_is_dynamo_tracing = torch.compiler.is_dynamo_compiling
 
 
-def policy(device_type: Optional[str] = None, traced: bool = True) -> str:
+def policy(device_type: Optional[str] = None) -> str:
     """The policy in force here: the innermost scope's, else the process-wide one.
 
-    For a call on ``device_type``, ``off`` where the settings leave that type out. ``traced``
-    False: the caller knows dynamo is not tracing it (dynamo cannot read the scopes).
+    For a call on ``device_type``, ``off`` where the settings leave that type out.
     """
     settings = config
     if device_type is not None and settings.devices is not None and device_type not in settings.devices:
         return "off"
-    if traced and _is_dynamo_tracing():
-        innermost = thread.compiled_policy
-    else:
-        open_scopes = scopes.get()
-        innermost = open_scopes[-1].policy if open_scopes else None
-    return innermost or settings.policy
+    open_scopes = scopes.get()
+    return (open_scopes[-1].policy if open_scopes else None) or settings.policy
+
+
+# Dynamo cannot read a ContextVar: it calls this function itself while it traces (in the context it
+# traces in, so the scopes of the task and thread that compile) and compiles the result in as a
+# constant. The mark is what ``torch.compiler.assume_constant_result`` sets, which would import
+# dynamo (a second's work) at the package's import.
+policy._dynamo_marked_constant = True  # type: ignore[attr-defined]

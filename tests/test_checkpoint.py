@@ -200,10 +200,10 @@ def backward(loss, where, other_policy):
 
 
 def backward_keeping_the_scopes(loss):
-    """``loss.backward()``; the scopes open here (and their mirror for dynamo) are those after it too."""
-    before = _state.scopes.get(), _state.thread.compiled_policy
+    """``loss.backward()``; the scopes open here are those after it too."""
+    before = _state.scopes.get()
     loss.backward()
-    assert (_state.scopes.get(), _state.thread.compiled_policy) == before
+    assert _state.scopes.get() == before
 
 
 def scoped_step(kind, flavour, scope, where):

@@ -735,6 +735,40 @@ def test_an_async_generator_function_is_refused_as_a_decorated_one():
             yield None
 
 
+@pytest.mark.usefixtures("nothing_compiled")
+def test_compiled_code_takes_the_scopes_of_the_task_that_compiles_it(monkeypatch):
+    # Dynamo reads the scopes where it traces: another task's open scope is not this task's.
+    monkeypatch.setattr(_config, "_warned_compiled_scope", True)  # the once-only warning is another test's
+    bn = nn.BatchNorm2d(4).eval()
+    x = seeded_input((2, 4, 5, 5), BF16, seed=1)
+
+    def f(x):
+        with autocast():
+            return bn(x), torch.tensor(len(amp_bn_fix.get_policy()))
+
+    async def holds_a_scope():
+        with amp_bn_fix.policy("input"):
+            await asyncio.sleep(0.2)
+
+    async def compiles():
+        await asyncio.sleep(0.05)  # inside the other task's scope, in time
+        return torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+
+    async def main():
+        return (await asyncio.gather(holds_a_scope(), compiles()))[1]
+
+    torch._dynamo.reset()
+    try:
+        out, length = asyncio.run(main())
+        assert out.dtype is torch.float32 and int(length) == len("fp32")
+        torch._dynamo.reset()
+        with amp_bn_fix.policy("input"):  # and its own scope, with fullgraph: no graph break on it
+            out, length = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+        assert out.dtype is BF16 and int(length) == len("input")
+    finally:
+        torch._dynamo.reset()
+
+
 # --- 7. meta device ----------------------------------------------------------------------------
 
 
