@@ -132,6 +132,11 @@ def _in_package(name: str) -> Callable[[argparse.Namespace], int]:
         bad = settings.problems(os.environ)
         if bad:
             return _bad_settings(bad)
+        try:
+            import torch  # noqa: F401
+        except ImportError as exc:
+            return _error(f"{name} needs torch, which {sys.executable} cannot import ({exc}); "
+                          f"python -m _amp_bn_fix_boot.status says what start-up does without it")
         from amp_bn_fix import _cli
 
         return getattr(_cli, name)(args)

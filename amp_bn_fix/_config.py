@@ -14,7 +14,7 @@ import functools
 import inspect
 import sys
 import warnings
-from typing import Any, Callable, ContextManager, Generator, Iterator, List, Optional, Set, Tuple, TypeVar, cast
+from typing import Any, Callable, Generator, Iterator, Optional, Set, Tuple, TypeVar, cast
 
 import torch
 from _amp_bn_fix_boot.settings import Config
@@ -72,48 +72,59 @@ def _tag_compile_caches() -> None:
 def scoped_policy(name: Optional[str]) -> Iterator[None]:
     """Within the block, ``name`` is the policy of this context (``None``: the process-wide one)."""
     scope = _state.Scope(name)
-    set_scopes(_state.scopes.get() + (scope,))
-    try:
+    try:  # a warning raised as an error while it opens closes it again
+        set_scopes(_state.scopes.get() + (scope,))
         yield
     finally:
-        set_scopes(tuple(s for s in _state.scopes.get() if s is not scope))
+        _close(scope)
+
+
+def _close(scope: _state.Scope) -> None:
+    # By identity: blocks closed out of order (generators consumed alternately) leave nothing behind.
+    set_scopes(tuple(s for s in _state.scopes.get() if s is not scope))
 
 
 class PolicyScope:
     """A ``policy()`` scope: a context manager, and a decorator that opens a scope of its own
     whenever the decorated code runs.
 
-    For a plain function that is each call; the body of a generator function or a coroutine function
-    runs later than its call, one step at a time, so the scope is open around each step (each
-    ``send``, ``throw`` and ``close``, each resumption of the coroutine) and closed while it is
-    suspended, where other code runs under its own scopes.
+    As a context manager one object may be entered in several threads or asyncio tasks at once:
+    each ``with`` closes the scope it opened in its own context. A plain function gets the scope
+    around each call, a coroutine function around its run in its task. A generator function's
+    body runs one step at a time, later than its call: its steps see scopes of their own (the
+    caller's at the first step with this one on top, and the blocks the body opens, kept from one
+    step to the next), and the caller's scopes are back in force between steps.
     """
 
-    __slots__ = ("name", "_open")
+    __slots__ = ("name",)
 
     def __init__(self, name: Optional[str]) -> None:
         self.name = name
-        self._open: List[ContextManager[None]] = []
 
     def __enter__(self) -> None:
-        scope = scoped_policy(self.name)
-        scope.__enter__()
-        self._open.append(scope)
+        scope = _state.Scope(self.name, owner=self)
+        try:
+            set_scopes(_state.scopes.get() + (scope,))
+        except BaseException:  # a warning raised as an error: the block does not open
+            _close(scope)
+            raise
 
-    def __exit__(self, *exc: Any) -> Optional[bool]:
-        return self._open.pop().__exit__(*exc)
+    def __exit__(self, *exc: Any) -> None:
+        mine = [scope for scope in _state.scopes.get() if scope.owner is self]
+        if mine:
+            _close(mine[-1])
 
     def __call__(self, function: F) -> F:
         name = self.name
         if inspect.isasyncgenfunction(function):
             raise TypeError(
                 f"amp_bn_fix.policy({name!r}) cannot decorate the async generator function "
-                f"{function.__qualname__}: open the scope inside it (with amp_bn_fix.policy(...): ...)")
+                f"{getattr(function, '__qualname__', function)!r}: open the scope inside it "
+                "(with amp_bn_fix.policy(...): ...)")
         if inspect.iscoroutinefunction(function):
             @functools.wraps(function)
             async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
-                # The scope lives in the task's context, set and reset around this await: a task
-                # switch inside it runs other tasks in their own contexts.
+                # The scope lives in the task's context: other tasks run in their own.
                 with scoped_policy(name):
                     return await function(*args, **kwargs)
 
@@ -121,9 +132,7 @@ class PolicyScope:
         if inspect.isgeneratorfunction(function):
             @functools.wraps(function)
             def run_generator(*args: Any, **kwargs: Any) -> Any:
-                with scoped_policy(name):
-                    generator = function(*args, **kwargs)
-                return (yield from _in_scope_each_step(generator, name))
+                return (yield from _with_own_scopes(function(*args, **kwargs), name))
 
             return cast(F, run_generator)
 
@@ -135,25 +144,38 @@ class PolicyScope:
         return cast(F, run)
 
 
-def _in_scope_each_step(generator: Generator[Any, Any, Any], name: Optional[str]) -> Generator[Any, Any, Any]:
-    """Drive ``generator`` for ``yield from``, its every step under the scope ``name``."""
+_Scopes = Tuple[_state.Scope, ...]
+
+
+def _with_own_scopes(generator: Generator[Any, Any, Any], name: Optional[str]) -> Generator[Any, Any, Any]:
+    """Drive ``generator`` for ``yield from``, each step under its own scopes (:class:`PolicyScope`)."""
+    own: Optional[_Scopes] = None
     step: Callable[[], Any] = functools.partial(generator.send, None)
     while True:
         try:
-            with scoped_policy(name):
-                value = step()
+            value, own = _step(step, own, name)
         except StopIteration as done:
             return done.value
         try:
             sent = yield value
         except GeneratorExit:
-            with scoped_policy(name):
-                generator.close()
+            _step(generator.close, own, name)
             raise
         except BaseException as error:  # thrown in: the generator sees it at its yield
             step = functools.partial(generator.throw, error)
         else:
             step = functools.partial(generator.send, sent)
+
+
+def _step(step: Callable[[], Any], own: Optional[_Scopes], name: Optional[str]) -> Tuple[Any, _Scopes]:
+    """``step()`` under a generator's own scopes (before its first step: the caller's, with ``name``'s
+    on top); what it gave, and its scopes after it. The caller's are back in force afterwards."""
+    outside = _state.scopes.get()
+    try:
+        set_scopes(outside + (_state.Scope(name),) if own is None else own)
+        return step(), _state.scopes.get()
+    finally:
+        set_scopes(outside)
 
 
 def set_scopes(scopes: Tuple[_state.Scope, ...]) -> None:
@@ -175,11 +197,20 @@ def set_scopes(scopes: Tuple[_state.Scope, ...]) -> None:
 def _warn_compiled_scope(policy: str, compiled: Set[str]) -> None:
     global _warned_compiled_scope
     _warned_compiled_scope = True
+    # Attributed to the first frame outside the scopes' machinery (this module, contextlib, an event
+    # loop): the user's ``with`` line, the call of a decorated function or generator, the line that
+    # runs a decorated coroutine.
+    level, frame = 1, sys._getframe()
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_SCOPE_MACHINERY):
+        level, frame = level + 1, frame.f_back
     warnings.warn(
         f"amp_bn_fix: the policy in force here, {policy!r}, does not reach code torch.compile has "
         f"already compiled (under {', '.join(sorted(compiled))}): compiled functions keep the policy "
         "they were compiled under, inside and outside the policy() block they were compiled in. Call "
         "compiled code under that policy, or call torch.compiler.reset() to recompile.",
         RuntimeWarning,
-        stacklevel=6,  # the user's ``with amp_bn_fix.policy(...)`` line, or the decorated function's call
+        stacklevel=level,
     )
+
+
+_SCOPE_MACHINERY = (__name__, "contextlib", "asyncio")

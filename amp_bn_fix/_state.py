@@ -43,12 +43,14 @@ thread = _ThreadState()
 
 
 class Scope:
-    """One open ``amp_bn_fix.policy(...)`` block; ``policy`` None means the process-wide one."""
+    """One open ``amp_bn_fix.policy(...)`` block; ``policy`` None means the process-wide one.
+    ``owner``: the object that opened it, which closes it in the context it was opened in."""
 
-    __slots__ = ("policy",)
+    __slots__ = ("policy", "owner")
 
-    def __init__(self, policy: Optional[str]) -> None:
+    def __init__(self, policy: Optional[str], owner: object = None) -> None:
         self.policy = policy
+        self.owner = owner
 
 
 # The open scopes of the current context, innermost last. A ContextVar, so asyncio tasks (each runs

@@ -75,6 +75,21 @@ def test_demo_fails_when_the_shim_does_not_give_the_expected_dtype(capsys, shim_
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("MISMATCH")
 
 
+@pytest.mark.parametrize("subcommand", ["demo", "check"])
+def test_without_torch_the_commands_that_need_it_say_so_in_one_line(tmp_path, subcommand):
+    stand_in = tmp_path / "torch"  # first on the path: an interpreter that cannot import torch
+    stand_in.mkdir()
+    (stand_in / "__init__.py").write_text("raise ImportError('No module named torch (a stand-in)')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-c", f"import sys; from _amp_bn_fix_boot import cli; sys.exit(cli.main([{subcommand!r}]))"],
+        env=child_env(PYTHONPATH=path), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == (f"amp-bn-fix: error: {subcommand} needs torch, which {sys.executable} cannot "
+                                     "import (No module named torch (a stand-in)); python -m _amp_bn_fix_boot.status "
+                                     "says what start-up does without it")
+
+
 def test_demo_leaves_the_patch_as_it_found_it():
     amp_bn_fix.disable()
     launcher.main(["demo"])

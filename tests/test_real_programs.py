@@ -13,6 +13,7 @@ import functools
 import importlib
 import io
 import pickle
+import threading
 import warnings
 import zipfile
 
@@ -726,6 +727,104 @@ def test_a_decorated_generator_function_runs_each_step_in_the_scope():
     next(closed)
     closed.close()
     assert amp_bn_fix.get_policy() == "fp32"
+
+
+@pytest.mark.usefixtures("nothing_compiled")
+def test_a_decorated_generator_keeps_the_blocks_its_body_opens_and_the_caller_its_own():
+    amp_bn_fix.set_policy("autocast")
+
+    @amp_bn_fix.policy("input")
+    def steps():
+        with amp_bn_fix.policy("fp32"):  # the body's own block: innermost at every step
+            for _ in range(3):
+                yield amp_bn_fix.get_policy()
+
+    seen = []
+    for body in steps():
+        seen.append((body, amp_bn_fix.get_policy()))
+    assert seen == [("fp32", "autocast")] * 3
+    assert amp_bn_fix.get_policy() == "autocast" and _state.scopes.get() == ()
+
+
+@pytest.mark.usefixtures("nothing_compiled")
+@pytest.mark.parametrize("where", ["threads", "tasks"])
+def test_one_policy_object_entered_in_several_contexts_closes_each_one_s_scope(where):
+    shared = amp_bn_fix.policy("input")
+    after = {}
+
+    def inside(name):
+        after[name] = amp_bn_fix.get_policy()
+
+    if where == "tasks":
+        async def task(name, delay):
+            with shared:
+                await asyncio.sleep(delay)  # the other task enters meanwhile
+            inside(name)
+
+        async def main():
+            await asyncio.gather(task("first", 0.01), task("second", 0.02))  # the first in leaves first
+
+        asyncio.run(main())
+    else:
+        entered, leave = threading.Barrier(2), threading.Event()
+
+        def thread(name, leaves_first):
+            with shared:
+                entered.wait()
+                if not leaves_first:
+                    leave.wait()
+            if leaves_first:
+                leave.set()
+            inside(name)
+
+        threads = [threading.Thread(target=thread, args=(n, n == "first")) for n in ("first", "second")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert after == {"first": "fp32", "second": "fp32"}
+
+
+def test_a_scope_whose_warning_is_raised_as_an_error_does_not_stay_open(monkeypatch):
+    monkeypatch.setattr(_config, "_warned_compiled_scope", False)
+    monkeypatch.setattr(_state, "compiled_policies", {"fp32"})  # code compiled under fp32
+    for enter in (lambda: amp_bn_fix.policy("input"), lambda: _config.scoped_policy("input")):
+        _config._warned_compiled_scope = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with pytest.raises(RuntimeWarning, match="in force here, 'input'"):
+                with enter():
+                    pass
+        assert _state.scopes.get() == () and amp_bn_fix.get_policy() == "fp32"
+
+
+@pytest.mark.parametrize("kind", ["generator", "coroutine"])
+def test_the_compiled_scope_warning_names_the_line_that_runs_decorated_code(monkeypatch, kind):
+    monkeypatch.setattr(_config, "_warned_compiled_scope", False)
+    monkeypatch.setattr(_state, "compiled_policies", {"fp32"})
+    if kind == "generator":
+        @amp_bn_fix.policy("input")
+        def decorated():
+            yield None
+
+        run = lambda: list(decorated())  # noqa: E731
+    else:
+        @amp_bn_fix.policy("input")
+        async def decorated():
+            await asyncio.sleep(0)
+
+        run = lambda: asyncio.run(decorated())  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="in force here, 'input'") as record:
+        run()
+    assert record[0].filename == __file__
+
+
+def test_a_partial_of_an_async_generator_function_is_refused_too():
+    async def stream(n):
+        yield n
+
+    with pytest.raises(TypeError, match="async generator function"):
+        amp_bn_fix.policy("input")(functools.partial(stream, 3))
 
 
 def test_an_async_generator_function_is_refused_as_a_decorated_one():
