@@ -22,9 +22,16 @@ class StartupStatus(NamedTuple):
     bootstrap_on_path: bool  # ``amp-bn-fix run``'s bootstrap folder is on PYTHONPATH
     switch: Optional[str]  # AMP_BN_FIX as set, None when unset
     requested: bool  # AMP_BN_FIX asks for the shim
+    switch_readable: bool  # AMP_BN_FIX is unset or a valid value
     unknown: List[Tuple[str, Optional[str]]]  # misspelled AMP_BN_FIX_* names, with the closest valid one
     problems: List[str]  # why a process asking for the shim would not get it
     policy_off: bool  # AMP_BN_FIX_POLICY=off: the hook's import of the package installs nothing
+
+    @property
+    def broken(self) -> bool:
+        """Whether a process asking for the shim would not get it, or ``AMP_BN_FIX`` cannot be read
+        (``amp-bn-fix check`` exits with 1). Without ``AMP_BN_FIX`` nothing asks, and nothing is broken."""
+        return not self.switch_readable or (self.requested and bool(self.problems))
 
     @property
     def will_enable(self) -> bool:
@@ -62,11 +69,12 @@ def gather(environ: Optional[dict] = None) -> StartupStatus:
     files = [os.path.join(d, n) for d in _site_directories() for n in START_FILES if os.path.isfile(os.path.join(d, n))]
     bootstrap = BOOTSTRAP_DIR in environ.get("PYTHONPATH", "").split(os.pathsep)
     problems: List[str] = []
-    requested = False
+    requested, switch_readable = False, True
     try:
         requested = settings.hook_requested(environ)
     except ValueError as exc:
         problems.append(str(exc))
+        switch_readable = False
     policy_off = False
     try:
         policy_off = settings.from_env(environ).policy == "off"
@@ -81,8 +89,8 @@ def gather(environ: Optional[dict] = None) -> StartupStatus:
     folder = shadowing_folder()
     if folder is not None:
         problems.append(describe_shadowing(folder))
-    return StartupStatus(files, bootstrap, environ.get(ENV_ENABLE), requested, settings.unknown_names(environ), problems,
-                         policy_off)
+    return StartupStatus(files, bootstrap, environ.get(ENV_ENABLE), requested, switch_readable,
+                         settings.unknown_names(environ), problems, policy_off)
 
 
 def summary(status: StartupStatus) -> str:

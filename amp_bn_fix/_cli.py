@@ -114,7 +114,7 @@ def check(args: Optional[argparse.Namespace] = None) -> int:
     for line in fresh.stderr:
         print(_indent(line))
     print(_indent(startup.summary(status)))
-    broken = bool(status.problems) or (status.will_enable and fresh.enabled is not True)
+    broken = status.broken or (status.will_enable and fresh.enabled is not True)
     print("\nself-test (Linear -> BatchNorm1d -> Linear under autocast, the settings above):")
     results = [_check.self_test(device, dtype) for device, dtype in _check.cases()]
     rows = [[r.device, _check.dtype_name(r.dtype), "ok" if r.ok else "FAIL", r.detail] for r in results]

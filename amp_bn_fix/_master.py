@@ -42,6 +42,8 @@ from . import _guard, _record, _state, _tuning
 from ._compat import LOW_PRECISION, foreach_copy
 
 _F32 = torch.float32
+# The dtypes a cast from 16 bits takes the master's values into.
+_WIDER = (torch.float32, torch.float64)
 _UninitializedBuffer = torch.nn.parameter.UninitializedBuffer
 
 
@@ -286,8 +288,8 @@ def apply_carrying_masters(
     The module gets torch's tensors, of the dtypes torch gives. Cast to 16 bits from FP32 stats, the
     new buffers get a master made from the FP32 values before the cast; moved (``.to(device)``) or
     cast between 16-bit dtypes, they keep their master, moved along, and hold its rounding to their
-    new dtype; cast back to FP32 (``.float()``), they take the master's values instead of the
-    rounded ones. Nothing happens for a device type left out.
+    new dtype; cast back to FP32 or float64 (``.float()``, ``.double()``), they take the master's
+    values instead of the rounded ones. Nothing happens for a device type left out.
     """
     if not (args or "fn" in kwargs):
         return original(*args, **kwargs)  # a malformed call raises torch's own error
@@ -308,9 +310,9 @@ def apply_carrying_masters(
         # leaves it: the same object, shared memory and all, as in plain torch.
         if result is tensor or not (tensor is mean or tensor is var) or result.is_meta:
             return result
-        if result.dtype is torch.float32 and tensor.dtype in LOW_PRECISION:
-            # Back to FP32: the master's values, not the rounded ones.
-            return kept[0 if tensor is mean else 1].to(result.device, copy=True)
+        if result.dtype in _WIDER and tensor.dtype in LOW_PRECISION:
+            # Back to FP32 (or float64): the master's values, not the rounded ones.
+            return kept[0 if tensor is mean else 1].to(result.device, result.dtype, copy=True)
         if result.dtype in LOW_PRECISION and tensor.dtype in LOW_PRECISION and (devices is None or result.device.type in devices):
             # Between 16-bit dtypes: the master rounded to the new one (a master holds while its
             # buffers hold its rounding), not the old rounding cast again.

@@ -23,6 +23,7 @@ record per device.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 import weakref
@@ -249,7 +250,7 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
     _retire_dead()
     names = {}
     if model is not None:
-        names = {id(m.running_mean): name for name, m in model.named_modules()
+        names = {id(m.running_mean): name or type(m).__name__ for name, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.running_mean is not None}
     skips: Dict[str, int] = {}
     for key, record in [*((None, r) for r in _deleted.values()), *_guard.items()]:
@@ -276,8 +277,19 @@ def summary() -> str:
     where = f" ({', '.join(f'{n} in {m}' for m, n in record['guard_skips'].items())})" if skips else ""
     captured = sum(record.get("captured", {}).values())
     graphs = f"; captured in CUDA graphs: {captured} (their replays are not counted)" if captured else ""
-    return (f"amp_bn_fix: calls handled: {per_policy}; passed through: {record['passed_through']}; "
+    rank = _rank()
+    who = f" (rank {rank})" if rank is not None else ""
+    return (f"amp_bn_fix{who}: calls handled: {per_policy}; passed through: {record['passed_through']}; "
             f"guard skips: {skips}{where}{graphs}")
+
+
+def _rank() -> Optional[str]:
+    """This process's rank in a distributed run (its process group's, or torchrun's ``RANK``), if any:
+    each rank writes its own summary."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return str(dist.get_rank())
+    return os.environ.get("RANK")
 
 
 def print_summary() -> None:

@@ -277,7 +277,9 @@ def compiled(b: Bench) -> None:
     print(f"[{b.current}] compile: {backend}, small conv+BN net (16,3,64,64), bf16 autocast; fp32 policy (A) vs "
           "shim off (B), one process per sample" + (" (quick: dynamo's eager backend, no compilation)" if b.quick else ""))
     pairs, steps = (1, 3) if b.quick else (3, COMPILED_STEPS)
-    for kind, label in (("train", "training step"), ("eval", "inference, freezing=True")):
+    # Quick: the training step alone, whose trace covers the forward, the backward and the guard.
+    kinds = (("train", "training step"),) + (() if b.quick else (("eval", "inference, freezing=True"),))
+    for kind, label in kinds:
         def sample(policy: str) -> float:
             cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--compiled-worker", kind, policy, backend, str(steps),
                    "--threads", str(torch.get_num_threads())]

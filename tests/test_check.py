@@ -141,6 +141,18 @@ def test_check_fails_where_the_hook_is_not_in_a_site_directory(tmp_path, monkeyp
     assert "installed   no (not in a site directory of this interpreter)" in out
 
 
+def test_without_amp_bn_fix_set_a_hook_outside_the_site_directories_is_said_not_a_failure(tmp_path, monkeypatch, capsys):
+    # pip install --target DIR, and nothing asks for the shim: import amp_bn_fix works, check passes.
+    from _amp_bn_fix_boot import status
+
+    monkeypatch.setattr(status, "_site_directories", lambda: [str(tmp_path)])
+    monkeypatch.delenv("AMP_BN_FIX", raising=False)
+    monkeypatch.setattr(_check, "fresh_interpreter", lambda: _check.FreshInterpreter(False, []))
+    code, out = check(capsys)
+    assert code == 0, out
+    assert "the start-up hook is not in a site directory" in out
+
+
 def test_the_policy_off_is_off_as_asked_not_a_failure(monkeypatch, capsys):
     # AMP_BN_FIX=1 with AMP_BN_FIX_POLICY=off: the hook loads the package, which installs nothing.
     from _amp_bn_fix_boot import status

@@ -76,16 +76,24 @@ def test_the_bootstrap_sitecustomize_alone_enables_the_shim():
     assert (got["wrappers"], got["bn_out"]) == (1, "torch.float32")
 
 
-def test_the_bootstrap_sitecustomize_warns_once_where_amp_bn_fix_is_not_installed(tmp_path):
-    # As in an interpreter of another environment: nothing of the package on its path.
-    code = f"import sys; sys.path.insert(0, {launcher.BOOTSTRAP_DIR!r}); import sitecustomize; print('ran')"
+@pytest.mark.parametrize("imports_torch", [False, True], ids=["no-torch", "imports-torch"])
+def test_the_bootstrap_sitecustomize_warns_once_where_amp_bn_fix_is_not_installed(tmp_path, imports_torch):
+    # As in an interpreter of another environment: nothing of the package on its path. A program
+    # that never imports torch hears nothing; one that does, one line.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("")  # that environment's torch
+    code = (f"import sys; sys.path.insert(0, {launcher.BOOTSTRAP_DIR!r}); import sitecustomize; "
+            f"sys.path.insert(0, {str(tmp_path)!r}); " + ("import torch, torch; " if imports_torch else "") + "print('ran')")
     result = subprocess.run(
         [sys.executable, "-S", "-c", code], env=child_env(AMP_BN_FIX="1"), cwd=tmp_path,
         capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
     )
     assert (result.returncode, result.stdout.strip()) == (0, "ran")
+    if not imports_torch:
+        assert result.stderr == ""
+        return
     (line,) = result.stderr.strip().splitlines()
-    assert "amp_bn_fix: not installed for" in line
+    assert line == f"amp_bn_fix: not installed for {sys.executable}; running without the shim"
 
 
 @pytest.mark.slow

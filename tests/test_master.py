@@ -254,3 +254,14 @@ def test_a_cast_that_leaves_the_buffers_where_they_are_leaves_them_and_their_mas
     assert mean.is_shared() is (cast == "share_memory")
     assert torch.equal(_master.peek(mean, var), master)
     _trains_from(bn, master)
+
+
+@pytest.mark.parametrize("wider", ["float", "double"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_a_cast_back_to_a_wider_dtype_takes_the_master_s_values(both_routes, dtype, wider):
+    bn = _model(dtype)  # its master holds more than its buffers show
+    master = _master.peek(bn.running_mean, bn.running_var).clone()
+    getattr(bn, wider)()
+    target = {"float": torch.float32, "double": torch.float64}[wider]
+    assert bn.running_mean.dtype is target and bn.weight.dtype is target
+    assert torch.equal(bn.running_mean, master[0].to(target)) and torch.equal(bn.running_var, master[1].to(target))

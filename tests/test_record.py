@@ -161,6 +161,24 @@ def test_a_summary_line_at_exit():
         "amp_bn_fix: calls handled: 1 fp32; passed through: 0; guard skips: 0")
 
 
+def test_a_summary_names_the_rank_that_writes_it(monkeypatch):
+    monkeypatch.setenv("RANK", "3")  # torchrun's, for a process without a process group yet
+    assert _record.summary().startswith("amp_bn_fix (rank 3): calls handled:")
+    monkeypatch.delenv("RANK")
+    assert _record.summary().startswith("amp_bn_fix: calls handled:")
+
+
+def test_report_of_a_bare_module_names_it_by_its_type():
+    bn = nn.BatchNorm1d(4)
+    x = torch.randn(8, 4, dtype=torch.bfloat16)
+    x[0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the first skip's warning
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bn(x)
+    assert amp_bn_fix.report(bn)["guard_skips"] == {"BatchNorm1d": 1}
+
+
 @pytest.mark.cuda
 def test_cuda_guard_skips_are_counted_without_a_sync():
     bn = nn.BatchNorm2d(8).cuda()

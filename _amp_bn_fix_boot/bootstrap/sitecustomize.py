@@ -15,14 +15,29 @@ def _start_hook() -> None:
     try:
         from _amp_bn_fix_boot import hook
     except BaseException as exc:
-        if isinstance(exc, ModuleNotFoundError) and exc.name == "_amp_bn_fix_boot":
-            problem = f"not installed for {sys.executable}"
-        else:
-            problem = f"start-up hook failed ({type(exc).__name__}: {exc})"
         # The warning format lives in the package that could not be imported: the same line by hand.
-        sys.stderr.write(f"amp_bn_fix: {problem}; running without the shim\n")
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "_amp_bn_fix_boot":
+            # Another environment's interpreter, which a program started by ``amp-bn-fix run`` may
+            # run too (a tool of its own): said when it imports torch, where the shim is missed.
+            sys.meta_path.insert(0, _SaysAtImportTorch(f"not installed for {sys.executable}"))
+        else:
+            sys.stderr.write(f"amp_bn_fix: start-up hook failed ({type(exc).__name__}: {exc}); "
+                             "running without the shim\n")
         return
     hook.start()  # never raises
+
+
+class _SaysAtImportTorch:
+    """An import finder that finds nothing: when torch is first imported, it writes one warning line."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "torch" and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            sys.stderr.write(f"amp_bn_fix: {self.problem}; running without the shim\n")
+        return None
 
 
 def _chain() -> None:
