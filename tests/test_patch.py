@@ -574,9 +574,9 @@ def test_on_disk_compile_caches_do_not_mix_runs_with_and_without_the_shim(tmp_pa
     import sys
 
     env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path), PYTHONPATH=os.getcwd())
+    # Each run finds the others' artifacts on disk: none may take another setting's.
     runs = [({}, "torch.bfloat16"), ({"PROBE_SHIM": "1"}, "torch.float32"),
-            ({"PROBE_SHIM": "1", "AMP_BN_FIX_POLICY": "input"}, "torch.bfloat16"),
-            ({"PROBE_SHIM": "1"}, "torch.float32"), ({}, "torch.bfloat16")]
+            ({"PROBE_SHIM": "1", "AMP_BN_FIX_POLICY": "input"}, "torch.bfloat16"), ({}, "torch.bfloat16")]
     for extra, dtype in runs:
         result = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env={**env, **extra},
                                 capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
