@@ -76,20 +76,36 @@ def test_the_bootstrap_sitecustomize_alone_enables_the_shim():
     assert (got["wrappers"], got["bn_out"]) == (1, "torch.float32")
 
 
-@pytest.mark.parametrize("imports_torch", [False, True], ids=["no-torch", "imports-torch"])
-def test_the_bootstrap_sitecustomize_warns_once_where_amp_bn_fix_is_not_installed(tmp_path, imports_torch):
+# A finder another package's .pth file puts first on sys.meta_path (before sitecustomize runs).
+FIRST_FINDER = """
+import importlib.machinery, sys
+class Vendored:
+    def find_spec(self, name, path=None, target=None):
+        return importlib.machinery.PathFinder.find_spec(name, [{folder!r}]) if name == "torch" else None
+sys.meta_path.insert(0, Vendored())
+"""
+
+
+@pytest.mark.parametrize("program, switch", [("nothing", "1"), ("import", "1"), ("import", "0"), ("vendored", "1")])
+def test_the_bootstrap_sitecustomize_warns_once_where_amp_bn_fix_is_not_installed(tmp_path, program, switch):
     # As in an interpreter of another environment: nothing of the package on its path. A program
-    # that never imports torch hears nothing; one that does, one line.
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text("")  # that environment's torch
-    code = (f"import sys; sys.path.insert(0, {launcher.BOOTSTRAP_DIR!r}); import sitecustomize; "
-            f"sys.path.insert(0, {str(tmp_path)!r}); " + ("import torch, torch; " if imports_torch else "") + "print('ran')")
-    result = subprocess.run(
-        [sys.executable, "-S", "-c", code], env=child_env(AMP_BN_FIX="1"), cwd=tmp_path,
-        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
-    )
-    assert (result.returncode, result.stdout.strip()) == (0, "ran")
-    if not imports_torch:
+    # that never imports torch hears nothing, one that does one line, unless it turned the shim
+    # off; the import finds torch wherever it did without the bootstrap (here through a finder put
+    # first on sys.meta_path, as a .pth file of another package may).
+    folder = tmp_path / ("vendored" if program == "vendored" else "path")
+    (folder / "torch").mkdir(parents=True)
+    (folder / "torch" / "__init__.py").write_text("FOUND = True\n")  # that environment's torch
+    code = f"exec({FIRST_FINDER.format(folder=str(folder))!r}); " if program == "vendored" else ""
+    code += f"import sys; sys.path.insert(0, {launcher.BOOTSTRAP_DIR!r}); import sitecustomize; "
+    if program != "vendored":
+        code += f"sys.path.insert(0, {str(folder)!r}); "
+    code += ("" if program == "nothing" else "import torch, torch; assert torch.FOUND; ") + "print('ran')"
+    env = child_env(AMP_BN_FIX=switch)
+    env.pop("PYTHONPATH", None)  # where a run of these tests puts the package on it
+    result = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert (result.returncode, result.stdout.strip()) == (0, "ran"), result.stderr
+    if program == "nothing" or switch == "0":
         assert result.stderr == ""
         return
     (line,) = result.stderr.strip().splitlines()

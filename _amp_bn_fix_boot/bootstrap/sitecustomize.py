@@ -18,8 +18,10 @@ def _start_hook() -> None:
         # The warning format lives in the package that could not be imported: the same line by hand.
         if isinstance(exc, ModuleNotFoundError) and exc.name == "_amp_bn_fix_boot":
             # Another environment's interpreter, which a program started by ``amp-bn-fix run`` may
-            # run too (a tool of its own): said when it imports torch, where the shim is missed.
-            sys.meta_path.insert(0, _SaysAtImportTorch(f"not installed for {sys.executable}"))
+            # run too (a tool of its own): said when it looks for torch, where the shim is missed,
+            # unless the process turned it off (the words amp_bn_fix.pth reads as off).
+            if os.environ.get("AMP_BN_FIX", "").strip().lower() not in ("0", "false", "no", "off", ""):
+                sys.meta_path.insert(0, _SaysAtImportTorch(f"not installed for {sys.executable}"))
         else:
             sys.stderr.write(f"amp_bn_fix: start-up hook failed ({type(exc).__name__}: {exc}); "
                              "running without the shim\n")
@@ -28,15 +30,17 @@ def _start_hook() -> None:
 
 
 class _SaysAtImportTorch:
-    """An import finder that finds nothing: when torch is first imported, it writes one warning line."""
+    """An import finder that finds nothing: the first time torch is looked for (imported, or
+    ``importlib.util.find_spec``), it writes one warning line. It stays on ``sys.meta_path``:
+    leaving it while the import system walks that list would skip the finder after it."""
 
     def __init__(self, problem: str) -> None:
         self.problem = problem
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> None:
-        if name == "torch" and self in sys.meta_path:
-            sys.meta_path.remove(self)
+        if name == "torch" and self.problem:
             sys.stderr.write(f"amp_bn_fix: {self.problem}; running without the shim\n")
+            self.problem = ""
         return None
 
 
