@@ -502,7 +502,8 @@ def test_scope_around_compiled_code_warns_that_it_does_not_reach_it(monkeypatch)
     with pytest.warns(RuntimeWarning, match=r"in force here, 'input', does not reach code torch.compile") as record:
         with amp_bn_fix.policy("input"):
             pass
-    assert record[0].filename == __file__
+    ours = [w for w in record if "amp_bn_fix: the policy in force here" in str(w.message)]
+    assert [w.filename for w in ours] == [__file__]  # torch may warn too, from its own files
 
 
 @pytest.mark.parametrize("how", ["with", "decorator"])
@@ -525,7 +526,8 @@ def test_leaving_the_scope_compiled_code_was_compiled_in_warns_that_it_keeps_tha
                 assert compiled(x).dtype is torch.bfloat16  # compiled here, under "input"
         else:
             assert call().dtype is torch.bfloat16
-    assert record[0].filename == __file__
+    ours = [w for w in record if "amp_bn_fix: the policy in force here" in str(w.message)]
+    assert [w.filename for w in ours] == [__file__]  # torch may warn too, from its own files
 
 
 def test_compile_cache_key_carries_the_settings():

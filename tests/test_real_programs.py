@@ -816,7 +816,8 @@ def test_the_compiled_scope_warning_names_the_line_that_runs_decorated_code(monk
         run = lambda: asyncio.run(decorated())  # noqa: E731
     with pytest.warns(RuntimeWarning, match="in force here, 'input'") as record:
         run()
-    assert record[0].filename == __file__
+    ours = [w for w in record if "amp_bn_fix: the policy in force here" in str(w.message)]
+    assert [w.filename for w in ours] == [__file__]  # torch may warn too, from its own files
 
 
 def test_a_partial_of_an_async_generator_function_is_refused_too():
