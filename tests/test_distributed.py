@@ -47,7 +47,9 @@ def test_torchrun_ddp_workers_get_the_shim_from_the_environment(tmp_path, policy
 # ---- FSDP2, FSDP1, DDP without buffer broadcast, SyncBatchNorm: tests/dist_worker.py ------------
 
 DIST_WORKER = pathlib.Path(__file__).resolve().parent / "dist_worker.py"
-POLICIES = ["fp32", "input", "autocast", "off"]
+# One torchrun job per policy. "autocast" is left out: with bfloat16 autocast and bfloat16 inputs
+# it returns what "input" returns, through the same code (its own dtype rule is tested in-process).
+POLICIES = ["fp32", "input", "off"]
 # Errors torch raises on CPU, with or without the shim: exact on the version they were read from,
 # only that there is one elsewhere (older releases word some differently, or fail in another check).
 ERRORS_READ_ON = "2.13."
