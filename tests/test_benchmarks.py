@@ -75,6 +75,7 @@ def test_the_gpu_check_report_records_failed_sections(bench, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.tools
 def test_quick_mode_runs_every_cpu_row(bench):
     result = run("--quick", "--threads", "1")  # every row once: the thread sweep adds time, not rows
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

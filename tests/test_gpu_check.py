@@ -53,6 +53,8 @@ def summary_rows(text):
     return rows
 
 
+@pytest.mark.slow
+@pytest.mark.tools
 def test_the_dry_run_goes_through_every_step_and_writes_its_summary(tmp_path):
     out = tmp_path / "out"
     result = run_check("--dry-run", "--out", str(out), tmp_path=tmp_path)
