@@ -9,12 +9,11 @@ the code compiled in this process.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import sys
 import warnings
-from typing import Any, Callable, Generator, Iterator, Optional, Set, Tuple, TypeVar, cast
+from typing import Any, Callable, Generator, Optional, Set, Tuple, TypeVar, cast
 
 import torch
 from _amp_bn_fix_boot.settings import Config
@@ -68,17 +67,6 @@ def _tag_compile_caches() -> None:
     _compat.set_compile_cache_tag(settings)
 
 
-@contextlib.contextmanager
-def scoped_policy(name: Optional[str]) -> Iterator[None]:
-    """Within the block, ``name`` is the policy of this context (``None``: the process-wide one)."""
-    scope = _state.Scope(name)
-    try:  # a warning raised as an error while it opens closes it again
-        set_scopes(_state.scopes.get() + (scope,))
-        yield
-    finally:
-        _close(scope)
-
-
 def _close(scope: _state.Scope) -> None:
     # By identity: blocks closed out of order (generators consumed alternately) leave nothing behind.
     set_scopes(tuple(s for s in _state.scopes.get() if s is not scope))
@@ -125,7 +113,7 @@ class PolicyScope:
             @functools.wraps(function)
             async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
                 # The scope lives in the task's context: other tasks run in their own.
-                with scoped_policy(name):
+                with self:
                     return await function(*args, **kwargs)
 
             return cast(F, run_coroutine)
@@ -138,7 +126,7 @@ class PolicyScope:
 
         @functools.wraps(function)
         def run(*args: Any, **kwargs: Any) -> Any:
-            with scoped_policy(name):
+            with self:
                 return function(*args, **kwargs)
 
         return cast(F, run)

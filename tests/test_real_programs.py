@@ -788,13 +788,16 @@ def test_one_policy_object_entered_in_several_contexts_closes_each_one_s_scope(w
 def test_a_scope_whose_warning_is_raised_as_an_error_does_not_stay_open(monkeypatch):
     monkeypatch.setattr(_config, "_warned_compiled_scope", False)
     monkeypatch.setattr(_state, "compiled_policies", {"fp32"})  # code compiled under fp32
-    for enter in (lambda: amp_bn_fix.policy("input"), lambda: _config.scoped_policy("input")):
+    def with_block():
+        with amp_bn_fix.policy("input"):
+            pass
+
+    for enter in (with_block, amp_bn_fix.policy("input")(lambda: None)):  # a block, a decorated call
         _config._warned_compiled_scope = False
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             with pytest.raises(RuntimeWarning, match="in force here, 'input'"):
-                with enter():
-                    pass
+                enter()
         assert _state.scopes.get() == () and amp_bn_fix.get_policy() == "fp32"
 
 
