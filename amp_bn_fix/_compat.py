@@ -195,11 +195,15 @@ def is_compiling() -> bool:
 
     Up to torch 2.6 at least, dynamo puts the patched ``F.batch_norm`` into its graph as torch's own
     function (the wrapper compares equal to it): the wrapper first runs when AOTAutograd traces that
-    graph, where ``torch.compiler.is_compiling()`` is False but a tracing context is set.
+    graph, where ``torch.compiler.is_compiling()`` is False but a tracing context is set. It traces
+    under its dispatch modes (fake, functional, proxy), so the context, a microsecond or two to read,
+    is asked only under a mode: once an optimizer has imported dynamo, every call the shim passes
+    to torch asks this.
     """
     if not dynamo_imported():
         return False
-    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+    return torch.compiler.is_compiling() or (
+        _dispatch_stack_len() > 0 and torch._guards.TracingContext.try_get() is not None)
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:

@@ -32,7 +32,13 @@ def shapes(b: Bench):
 
 
 def dispatch(b: Bench) -> None:
-    """P1: a small BatchNorm2d outside autocast (the shim passes it through), and one bare call."""
+    """P1: a small BatchNorm2d outside autocast (the shim passes it through), and one bare call.
+
+    In a training program's state whatever rows ran before: dynamo imported, as the first
+    optimizer step imports it (a call passed on asks whether it is being compiled only then).
+    """
+    import torch._dynamo  # noqa: F401
+
     print(f"[{b.current}] P1: outside autocast, shim enabled (A) vs disabled (B)")
     bn = nn.BatchNorm2d(16).to(b.device)
     x = torch.randn(8, 16, 8, 8, device=b.device)

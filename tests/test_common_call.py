@@ -439,3 +439,48 @@ def test_the_memo_stays_bounded(monkeypatch):
             x = _bf16(4, channels, 3)
             assert _plan.plan((x, torch.zeros(channels), torch.ones(channels), None, None, True, 0.1, 1e-5)).plain
     assert len(_plan._memo[1]) <= 8
+
+
+@pytest.fixture
+def tracing_context_reads(monkeypatch):
+    """How many times torch's tracing context was read (dynamo imported, as an optimizer step imports it)."""
+    import torch._dynamo  # noqa: F401
+    import torch._guards
+
+    reads = []
+    real = torch._guards.TracingContext.try_get
+
+    def counting():
+        reads.append(1)
+        return real()
+
+    monkeypatch.setattr(torch._guards.TracingContext, "try_get", staticmethod(counting))
+    return reads
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32-program", "under-autocast"])
+def test_a_call_passed_to_torch_reads_no_tracing_context(tracing_context_reads, autocast):
+    # Once dynamo is imported (any optimizer step imports it), reading the tracing context cost the
+    # call the shim passes on more than the rest of the shim together. Outside a tracer's modes no
+    # compile can be under way that ``torch.compiler.is_compiling()`` does not report.
+    bn = torch.nn.BatchNorm2d(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), amp_bn_fix.policy("off"):
+        bn(torch.randn(2, 4, 3, 3))  # FP32: not the shim's; bf16 under "off": considered, then torch's
+        bn(torch.randn(2, 4, 3, 3, dtype=torch.bfloat16))
+    assert _record.counts.passed >= 2
+    assert tracing_context_reads == []
+
+
+def test_a_tracer_under_a_tracing_context_counts_as_compiling(tracing_context_reads):
+    # Where AOTAutograd traces a graph dynamo made: its modes on the stack and a tracing context
+    # set, while ``torch.compiler.is_compiling()`` says nothing (torch 2.4 to 2.6 run the wrapper there).
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode()
+    assert not _compat.is_compiling()
+    with tracing(TracingContext(fake)):
+        assert not _compat.is_compiling()  # no tracer's mode: an eager call
+        with fake:
+            assert _compat.is_compiling()
+    assert tracing_context_reads  # the context decided it
