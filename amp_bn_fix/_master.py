@@ -183,6 +183,11 @@ def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Te
     key = id(running_mean)
     if written is None:
         written = values.to(running_mean.dtype)
+    if values.is_inference() or written.is_inference():
+        # Made under ``torch.inference_mode()`` (a recalibration's first call, a cast): the master
+        # outlives the block, and every later call writes it in place.
+        with torch.inference_mode(False):
+            values, written = values.clone(), written.clone()
     kept = _of(running_mean, running_var)
     if kept is not None and kept.captured:  # of the buffers' shape, device and dtype (``_of``)
         foreach_copy((kept.values.data, kept.written), (values, written))

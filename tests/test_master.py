@@ -265,3 +265,17 @@ def test_a_cast_back_to_a_wider_dtype_takes_the_master_s_values(both_routes, dty
     target = {"float": torch.float32, "double": torch.float64}[wider]
     assert bn.running_mean.dtype is target and bn.weight.dtype is target
     assert torch.equal(bn.running_mean, master[0].to(target)) and torch.equal(bn.running_var, master[1].to(target))
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "half-model-alone"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_a_master_started_under_inference_mode_trains_on_after_it(both_routes, dtype, autocast):
+    # A recalibration's first training call under inference_mode starts the master: it outlives
+    # the block, and the training after it writes it in place (plain torch runs this sequence).
+    bn = copy.deepcopy(half_model(dtype, 2, C))  # buffers of its own, with no master yet
+    assert _master.peek(bn.running_mean, bn.running_var) is None
+    with torch.inference_mode(), torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        bn.train()(_input(dtype))
+    master = _master.peek(bn.running_mean, bn.running_var)
+    assert master is not None and not master.is_inference()
+    _trains_from(bn, master.clone(), autocast)
