@@ -229,7 +229,8 @@ def configure(
             one, else names such as ``["cuda", "cpu"]`` or a comma list ``"cuda,cpu"``.
         keep_fp32: where BatchNorm's FP32 state lives when a model is cast to 16 bit from then
             on: ``"master"`` (beside the model, which stays as torch casts it), ``"all"`` or
-            ``"stats"`` (inside it) or ``"none"``.
+            ``"stats"`` (inside it) or ``"none"``. A model cast under ``"master"`` keeps its
+            master, whatever the setting later.
         guard: whether a training call whose batch statistics are not finite keeps the running
             stats as they were.
 

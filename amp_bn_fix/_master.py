@@ -154,6 +154,12 @@ def _checked(master: _Master, running_mean: torch.Tensor, running_var: torch.Ten
     return values
 
 
+def has(running_mean: torch.Tensor, running_var: torch.Tensor) -> bool:
+    """Whether these very buffer objects have a master (made under ``keep_fp32="master"``: it stays
+    theirs whatever the setting later)."""
+    return _of(running_mean, running_var) is not None
+
+
 def peek(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[torch.Tensor]:
     """The FP32 ``(2, C)`` values an eval call would read for these stats, if they have a master
     (nothing is made or changed)."""
@@ -337,9 +343,17 @@ def apply_carrying_masters(
 
 
 def cast_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    """The wrapper of ``_BatchNorm._apply``: casts keep BatchNorm FP32 as ``keep_fp32`` says (read per call)."""
+    """The wrapper of ``_BatchNorm._apply``: casts keep BatchNorm FP32 as ``keep_fp32`` says (read per
+    call), and stats that have a master carry it whatever the setting now (it applies to casts from
+    FP32: a model cast under ``master`` keeps its master)."""
     config = _state.config
-    keep = "none" if _state.policy() == "off" else config.keep_fp32
-    if keep == "master":
+    if _state.policy() == "off":  # torch's own cast
+        return apply_keeping_fp32(wrapped, instance, args, kwargs, "none")
+    if config.keep_fp32 == "master" or _has_own_master(instance):
         return apply_carrying_masters(wrapped, instance, args, kwargs, config.devices)
-    return apply_keeping_fp32(wrapped, instance, args, kwargs, keep, config.devices)
+    return apply_keeping_fp32(wrapped, instance, args, kwargs, config.keep_fp32, config.devices)
+
+
+def _has_own_master(module: torch.nn.Module) -> bool:
+    mean, var = module._buffers.get("running_mean"), module._buffers.get("running_var")
+    return mean is not None and var is not None and has(mean, var)

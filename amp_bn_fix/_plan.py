@@ -126,7 +126,11 @@ def _guarded(ask: Ask) -> bool:
 
 
 def _has_master(ask: Ask) -> bool:
-    return ask.config.keep_fp32 == "master" and _has_16_bit_stats(ask.call[1], ask.call[2])
+    """Whether the 16-bit stats have an FP32 master: under ``keep_fp32="master"`` (made at the first
+    update if none is), else where one was made while it was (the setting applies to casts made
+    after it changes: a model cast before goes on with its master)."""
+    mean, var = ask.call[1], ask.call[2]
+    return _has_16_bit_stats(mean, var) and (ask.config.keep_fp32 == "master" or _master.has(mean, var))
 
 
 def _is_plain(ask: Ask) -> bool:
@@ -322,7 +326,7 @@ def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
     if (training is True or training is False) and untraced(input, mean, var, weight, bias):
         kind = device_type(input)
         policy = _state.policy(kind)
-        key = _key(call, guard, policy, kind)
+        key = _key(call, guard, policy, kind, config.keep_fp32 == "master")
         if key is not None:
             owner, memo = _memo
             if owner is not config:
@@ -364,14 +368,16 @@ def _new_memo(config: Config) -> Dict[Tuple[Any, ...], Decision]:
     return memo
 
 
-def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str) -> Optional[Tuple[Any, ...]]:
+def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str, masters: bool) -> Optional[Tuple[Any, ...]]:
     """Everything the routes read of an untraced call with a boolean ``training``, as one flat tuple,
     or None where a tensor is not one (a non-tensor argument: torch's error, decided each time).
 
     The routes read each tensor's type and dtype, the input's device (its type and index) and number
     of dimensions; autocast's state for the input's device and, under the ``autocast`` policy, its
     dtype; and for a training call (an update) the stats' devices, shapes, strides (contiguity,
-    elements that share memory) and ``requires_grad``. The settings key the memo itself (:func:`_new_memo`).
+    elements that share memory) and ``requires_grad``; and, where ``masters`` (the setting makes
+    them) is false, whether 16-bit stats have a master all the same. The settings key the memo
+    itself (:func:`_new_memo`).
     """
     input, mean, var, weight, bias, training = call[:6]
     # Untraced: no torch.func transform, so autocast's own flag is the routes' ``autocast_enabled``.
@@ -394,6 +400,8 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str) -> Optional
             type(mean), None if mean is None else mean.dtype,
             type(var), None if var is None else var.dtype,
             layout,
+            masters or (mean is not None and mean.dtype in LOW_PRECISION and var is not None
+                        and _master.has(mean, var)),
         )
     except AttributeError:
         return None

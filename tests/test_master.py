@@ -279,3 +279,22 @@ def test_a_master_started_under_inference_mode_trains_on_after_it(both_routes, d
     master = _master.peek(bn.running_mean, bn.running_var)
     assert master is not None and not master.is_inference()
     _trains_from(bn, master.clone(), autocast)
+
+
+@pytest.mark.parametrize("later", ["none", "all", "stats"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_a_model_cast_under_master_keeps_its_master_after_the_setting_changes(both_routes, dtype, later):
+    # keep_fp32 applies to the casts made after it changes (say, of a second model in a
+    # configure() block): a model cast before goes on with its master, in its updates and casts.
+    bn = _model(dtype)
+    with amp_bn_fix.configure(keep_fp32=later):
+        # First a call of the same kind on buffers with no master (the setting makes none now),
+        # whose plan the memo keeps: it is not the answer for buffers that have one.
+        alone = copy.deepcopy(bn)
+        with torch.autocast("cpu", dtype=dtype):
+            alone.train()(_input(dtype))
+        assert _master.peek(alone.running_mean, alone.running_var) is None
+        _trains_from(bn, _master.peek(bn.running_mean, bn.running_var).clone())
+        master = _master.peek(bn.running_mean, bn.running_var).clone()
+        bn.float()
+    assert torch.equal(bn.running_mean, master[0]) and torch.equal(bn.running_var, master[1])
