@@ -118,11 +118,16 @@ _TRAINING_ARG = {"native_batch_norm": 5, "_native_batch_norm_legit": 5, "_native
 _LAUNCHES = {"native_batch_norm": 3, "_native_batch_norm_legit": 3, "_native_batch_norm_legit_functional": 3,
              "_native_batch_norm_legit_no_training": 3}
 # Ops whose second kernel runs only with running stats (argument 1): CUDA's statistics op, and the
-# CPU stand-in the route a CUDA call takes runs for it there.
-_UPDATES_STATS = {"batch_norm_update_stats", "batch_norm_stats"}
+# CPU stand-in the route a CUDA call takes runs for it there. By qualified name: ATen's own
+# ``batch_norm_stats(input, eps)`` (SyncBatchNorm's) is one kernel.
+_UPDATES_STATS = {"aten::batch_norm_update_stats", "amp_bn_fix::batch_norm_stats"}
 # Ops that allocate without writing (``empty*``) or only read metadata run no kernel.
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "size", "stride",
               "sym_size", "sym_stride", "sym_numel", "is_same_size", "_has_compatible_shallow_copy_type"}
+
+
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -138,8 +143,15 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if _has_kernel(func.name(), _COMPOSITE):
+            # Under inference_mode (and for inference tensors) the autograd keys are skipped, and
+            # the composite ops (``to``, ``reshape``, ``batch_norm``) reach this mode whole: their
+            # C++ composite kernel runs as it runs elsewhere, its ops coming back here.
+            with self:
+                return func._op_dk(_COMPOSITE, *args, **kwargs)
         out = func(*args, **kwargs)
-        name = func._schema.name.split("::")[-1]
+        qualified = func._schema.name
+        name = qualified.split("::")[-1]
         returns = func._schema.returns
         if name in _NO_KERNEL or (returns and all(r.alias_info is not None and not r.alias_info.is_write
                                                   for r in returns)):
@@ -165,7 +177,7 @@ class _Counter(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and id(t) not in written_ids:
                 written += _bytes(t)
-        launches = 1 + (len(args) > 1 and args[1] is not None) if name in _UPDATES_STATS else _LAUNCHES.get(name, 1)
+        launches = 1 + (len(args) > 1 and args[1] is not None) if qualified in _UPDATES_STATS else _LAUNCHES.get(name, 1)
         self.traffic.kernels.append(Kernel(name, read, written, launches))
         return out
 
@@ -223,12 +235,37 @@ def kept_for_backward(*outputs: torch.Tensor) -> int:
         if id(node) in seen:
             continue
         seen.add(id(node))
-        # A built-in node shows what it saved as ``_saved_<name>``; a Python Function's as ``saved_tensors``.
-        saved = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
-        saved.extend(getattr(node, "saved_tensors", ()) or ())
-        for value in saved:
+        for value in _saved(node):
             for t in tree_flatten(value)[0]:
                 if isinstance(t, torch.Tensor):
                     kept[(t.data_ptr(), t.numel(), t.dtype)] = _bytes(t)
         nodes.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return sum(kept.values())
+
+
+def _saved(node: Any) -> List[Any]:
+    """What ``node`` keeps for backward, as it keeps it.
+
+    A built-in node shows it as ``_saved_<name>``, a Python Function's as ``saved_tensors``; each
+    tensor among them is also there as a ``SavedTensor`` (``_raw_saved_<name>``,
+    ``_raw_saved_tensors``). A tensor that saved-tensor hooks packed (activation checkpointing,
+    ``save_on_cpu``) is kept as what its pack hook returned: that is read (a checkpoint's holder
+    is no tensor), never unpacked, which for a checkpoint would run its forward again, running
+    stats and all. Where torch's ``SavedTensor`` does not show the packed value (2.4 does not),
+    it is unpacked: there, call this outside checkpointed code.
+    """
+    kept: List[Any] = []
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            raw = getattr(node, "_raw" + name, None)
+        elif name == "saved_tensors":
+            raw = getattr(node, "_raw_saved_tensors", None)
+        else:
+            continue
+        raws = raw if isinstance(raw, (tuple, list)) else () if raw is None else (raw,)
+        packed = [getattr(r, "data", None) for r in raws if getattr(r, "unpack_hook", None) is not None]
+        if packed and len(packed) == len(raws):
+            kept.extend(packed)
+        else:
+            kept.append(getattr(node, name))
+    return kept

@@ -181,3 +181,58 @@ def test_kept_for_backward_counts_each_saved_tensor_once():
         amp_bn_fix.enable()
     # The input (2 bytes a value), or its FP32 copy (4), and a few per-channel tensors.
     assert 2 * x.numel() <= native < 2 * x.numel() + 256 and 4 * x.numel() <= by_hand < 4 * x.numel() + 256
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_inference_mode_counts_what_no_grad_counts(training):
+    # Under inference_mode the composite ops (``to``, ``reshape``, ``batch_norm``) reach the counter
+    # whole, where autograd has not decomposed them: they count as their ops do elsewhere.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).train(training)
+    x = torch.randn(4, 3, 16, 16)
+    counted = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), device_route(), count_kernels() as traffic, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+            x.reshape(4, 3, 256).transpose(1, 2).contiguous()
+        counted.append([(k.name, k.read, k.written, k.launches) for k in traffic.kernels])
+    assert counted[0] == counted[1]
+    assert "_to_copy" in counted[0][0][0] and "clone" in [k[0] for k in counted[0]]
+
+
+def test_aten_batch_norm_stats_counts_one_kernel():
+    # SyncBatchNorm's statistics op, ``aten::batch_norm_stats(input, eps)``, is one kernel on CUDA:
+    # its second argument is eps, not running stats (the route's own statistics op takes those).
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::batch_norm_stats", "CPU"):
+        pytest.skip("this build has a CPU kernel of its own")
+    library = torch.library.Library("aten", "IMPL")  # a CPU stand-in, for this test only
+
+    def stand_in(x, eps):
+        var, mean = torch.var_mean(x, [0, 2, 3], correction=0)
+        return mean, torch.rsqrt(var + eps)
+
+    library.impl("batch_norm_stats", stand_in, "CPU")
+    try:
+        with count_kernels() as traffic:
+            torch.batch_norm_stats(torch.randn(8, 4, 4, 4), 1e-5)
+    finally:
+        library._destroy()
+    assert [(k.name, k.launches) for k in traffic.kernels if k.name == "batch_norm_stats"] == [("batch_norm_stats", 1)]
+
+
+@pytest.mark.skipif(not hasattr(torch._C._autograd.SavedTensor, "unpack_hook"),
+                    reason="this torch's SavedTensor does not show what saved-tensor hooks packed")
+def test_kept_for_backward_unpacks_no_checkpoint():
+    # Reading what a checkpointed region saved must not run it again: its BatchNorm's running
+    # stats would take a second update per saved tensor read.
+    from torch.utils.checkpoint import checkpoint
+
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    x = torch.randn(8, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = checkpoint(block, x, use_reentrant=False)
+    stats = block[1].running_mean.clone(), int(block[1].num_batches_tracked)
+    kept = kept_for_backward(y)
+    assert torch.equal(block[1].running_mean, stats[0]) and int(block[1].num_batches_tracked) == stats[1]
+    assert kept < x.numel() * 4  # a checkpoint keeps holders, no activations
+    y.float().sum().backward()  # the one recompute, in the backward
+    assert int(block[1].num_batches_tracked) == stats[1] + 1
