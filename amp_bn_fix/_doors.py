@@ -192,8 +192,10 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
         if _thread.inside:
             return _below_autocast(device_type, _aten_instance_norm, _torch_instance_norm, args)
         decided = call = None
-        # 16-bit calls with a batch dimension, and stats in eval: a malformed call gets torch's own error.
-        if (input.dtype in LOW_PRECISION and input.dim() >= 2
+        # The calls a batch norm's would be the shim's (a 16-bit input, or an FP32 one next to 16-bit
+        # tensors: a half model's InstanceNorm after its BatchNorm's FP32 output) with a batch
+        # dimension, and stats in eval: a malformed call gets torch's own error.
+        if (considered((input, running_mean, running_var, weight, bias)) and input.dim() >= 2
                 and (use_input_stats or (running_mean is not None and running_var is not None))):
             n, c = input.shape[0], input.shape[1]
             mean_copies, var_copies = _repeat(running_mean, n), _repeat(running_var, n)

@@ -11,6 +11,7 @@ plain torch's, bit for bit (the same call with the shim disabled).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import gc
@@ -397,6 +398,25 @@ def test_instance_norm_updates_the_module_buffers_in_fp32_where_torch_rounds_the
     except AssertionError:
         return
     pytest.skip("this torch updates instance_norm's stat copies in FP32: no rounding to compare with")
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_half_model_s_instance_norm_takes_its_batch_norm_s_fp32_output(every_route, training):
+    """After a half model's BatchNorm under ``fp32``, an InstanceNorm with 16-bit weights and stats
+    gets an FP32 input, which torch's kernels reject next to 16-bit tensors: computed as a batch
+    norm's would be, FP32 in and out, the stats updated in FP32 and rounded into the buffers."""
+    norm = seeded(nn.InstanceNorm2d(C, affine=True, track_running_stats=True)).bfloat16().train(training)
+    x = make_input(ENTRY["InstanceNorm2d-tracked"], torch.bfloat16).float()
+    reference = copy.deepcopy(norm).double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x)
+    expected = reference(x.double())
+    assert out.dtype is torch.float32 and norm.running_mean.dtype is torch.bfloat16
+    n = x[0, 0].numel()
+    assert_near(out, expected, n, scale=expected.abs().max().item(), what="output")
+    if training:  # each stat within one bfloat16 rounding of the float64 update
+        for stat, stat64 in ((norm.running_mean, reference.running_mean), (norm.running_var, reference.running_var)):
+            assert torch.allclose(stat.double(), stat64, rtol=2 ** -8, atol=0)
 
 
 @pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
