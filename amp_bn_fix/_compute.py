@@ -61,9 +61,8 @@ class Session:
     autocast's key is not re-entered), takes the master's values where the plan has one and hands
     out the running stats to update (``_guard.begin``) as :attr:`mean` and :attr:`var`. At
     :meth:`end`, also when the kernel raises after updating them (activation checkpointing's early
-    stop raises out of the recomputed kernel, and torch's own update is kept then too), the guard
-    decides (``_guard.finish``), the master is rounded into the 16-bit buffers, and autocast is
-    restored.
+    stop raises out of the recomputed kernel, and torch's own update is kept then too), autocast is
+    restored, the guard decides (``_guard.finish``) and the master is rounded into the 16-bit buffers.
     """
 
     __slots__ = ("call", "plan", "original", "eager", "host", "native", "mean", "var", "_stats", "_held", "_update",
@@ -113,15 +112,16 @@ class Session:
         return (call[0], self.mean, self.var, *call[3:])
 
     def end(self) -> None:
-        try:
-            if self._update:
-                running_mean, running_var = self.call[1:3]
-                mean, var = self._stats
-                _guard.finish(mean, var, self.mean, self.var, self._token, self.eager, running_mean)
-                if self._held is not None:
-                    _master.commit(running_mean, running_var, self._held)
-        finally:
-            restore_autocast(self._autocast)
+        # Autocast first: the guard's and the master's ops are FP32 and recast nothing, and under
+        # torch.export a block of its own that only writes the stats back (no outputs) makes a
+        # program that torch.export.load refuses.
+        restore_autocast(self._autocast)
+        if self._update:
+            running_mean, running_var = self.call[1:3]
+            mean, var = self._stats
+            _guard.finish(mean, var, self.mean, self.var, self._token, self.eager, running_mean)
+            if self._held is not None:
+                _master.commit(running_mean, running_var, self._held)
 
 
 # ---- The kernels, in order: each first says whether it takes the call (else NOT_THIS), then runs it ----

@@ -214,7 +214,6 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
     return instance_norm_at_autocast
 
 
-@torch.no_grad()
 def _average_copies(running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
                     mean_copies: Optional[torch.Tensor], var_copies: Optional[torch.Tensor], n: int, c: int) -> None:
     """ATen's update of InstanceNorm's stats, each the mean of its ``n`` updated copies, guarded."""

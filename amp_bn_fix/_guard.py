@@ -155,7 +155,6 @@ def _working_copy(stat: torch.Tensor) -> torch.Tensor:
     return stat.detach().to(_F32, copy=True)
 
 
-@torch.no_grad()
 def _write_back(mean: torch.Tensor, var: torch.Tensor, new_mean: torch.Tensor, new_var: torch.Tensor,
                 guard: bool, eager: bool, counted_for: torch.Tensor) -> None:
     """Copy the updated working copies into the stats (only if finite, with ``guard``).
