@@ -130,8 +130,24 @@ _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 _has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 
 
+# What a sparse tensor is made of, by layout: its indices and values.
+_SPARSE_PARTS: Dict[torch.layout, Tuple[str, ...]] = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
 def _bytes(t: torch.Tensor) -> int:
-    """The bytes of ``t``'s distinct elements (an expanded dimension holds one)."""
+    """The bytes of ``t``'s distinct elements (an expanded dimension holds one); of a sparse
+    tensor, those of its indices and values."""
+    if t.layout is not torch.strided:
+        parts = _SPARSE_PARTS.get(t.layout)
+        if parts is None:  # another layout (mkldnn): dense values
+            return t.numel() * t.element_size()
+        return sum(_bytes(getattr(t, part)()) for part in parts)
     elements = math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0) if t.numel() else 0
     return elements * t.element_size()
 
@@ -238,7 +254,9 @@ def kept_for_backward(*outputs: torch.Tensor) -> int:
         for value in _saved(node):
             for t in tree_flatten(value)[0]:
                 if isinstance(t, torch.Tensor):
-                    kept[(t.data_ptr(), t.numel(), t.dtype)] = _bytes(t)
+                    # A sparse tensor has no data pointer: each is its own.
+                    where = t.data_ptr() if t.layout is torch.strided else id(t)
+                    kept[(where, t.numel(), t.dtype)] = _bytes(t)
         nodes.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return sum(kept.values())
 

@@ -236,3 +236,21 @@ def test_kept_for_backward_unpacks_no_checkpoint():
     assert kept < x.numel() * 4  # a checkpoint keeps holders, no activations
     y.float().sum().backward()  # the one recompute, in the backward
     assert int(block[1].num_batches_tracked) == stats[1] + 1
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_operands_count_their_indices_and_values(layout):
+    # A graph network's adjacency matmul in a counted step: a sparse tensor has no strides and
+    # no data pointer; it moves its indices and values.
+    dense = torch.zeros(64, 64)
+    dense[torch.arange(64), (torch.arange(64) * 7) % 64] = 1.0
+    adjacency = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    parts = ((adjacency._indices(), adjacency._values()) if layout == "coo"
+             else (adjacency.crow_indices(), adjacency.col_indices(), adjacency.values()))
+    sparse_bytes = sum(p.numel() * p.element_size() for p in parts)
+    x = torch.randn(64, 8, requires_grad=True)
+    with count_kernels() as traffic:
+        y = adjacency @ x
+    assert traffic.kernels and traffic.kernels[0].read == sparse_bytes + x.numel() * 4
+    kept = kept_for_backward(y)
+    assert sparse_bytes <= kept <= sparse_bytes + x.numel() * 4
