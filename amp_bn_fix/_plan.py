@@ -175,17 +175,20 @@ def _left_to_torch(call: Tuple[Any, ...]) -> bool:
 
     A non-tensor parameter or statistic gets torch's own ``TypeError``, one of another dtype than
     FP32 or 16 bits (integer, float64) torch's own dtype error ("expect parameter to have scalar
-    type of Float"); in training, running stats that require grad get torch's refusal, and stats
-    whose elements share memory (expanded, stride 0) torch's own update, which no copy-and-write-back
-    can reproduce.
+    type of Float"); in training, running stats that require grad get torch's refusal, stats of
+    another size than the input's channels torch's size error (the statistics op the shim updates
+    a master with checks no size: it would write past the stats), and stats whose elements share
+    memory (expanded, stride 0) torch's own update, which no copy-and-write-back can reproduce.
     """
-    _, mean, var, weight, bias, training, _, _ = call
+    input, mean, var, weight, bias, training, _, _ = call
     for t in (mean, var, weight, bias):
         if t is not None and (not isinstance(t, _Tensor) or (t.dtype is not _F32 and t.dtype not in LOW_PRECISION)):
             return True
     if training:
+        channels = input.shape[1:2]
         for stat in (mean, var):
-            if stat is not None and (stat.requires_grad or (not stat.is_contiguous() and has_internal_overlap(stat))):
+            if stat is not None and (stat.requires_grad or stat.shape != channels
+                                     or (not stat.is_contiguous() and has_internal_overlap(stat))):
                 return True
     return False
 
@@ -374,10 +377,10 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str, masters: bo
 
     The routes read each tensor's type and dtype, the input's device (its type and index) and number
     of dimensions; autocast's state for the input's device and, under the ``autocast`` policy, its
-    dtype; and for a training call (an update) the stats' devices, shapes, strides (contiguity,
-    elements that share memory) and ``requires_grad``; and, where ``masters`` (the setting makes
-    them) is false, whether 16-bit stats have a master all the same. The settings key the memo
-    itself (:func:`_new_memo`).
+    dtype; and for a training call (an update) the input's channels and the stats' devices,
+    shapes, strides (contiguity, elements that share memory) and ``requires_grad``; and, where
+    ``masters`` (the setting makes them) is false, whether 16-bit stats have a master all the
+    same. The settings key the memo itself (:func:`_new_memo`).
     """
     input, mean, var, weight, bias, training = call[:6]
     # Untraced: no torch.func transform, so autocast's own flag is the routes' ``autocast_enabled``.
@@ -388,6 +391,7 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str, masters: bo
         # common call costs more than the rest of the key), and strides only where the shape does
         # not say them (a contiguous tensor's).
         layout = None if not training else (
+            input.shape[1:2],
             None if mean is None else (mean.is_cpu or mean.device, mean.requires_grad, mean.shape,
                                        mean.is_contiguous() or mean.stride()),
             None if var is None else (var.is_cpu or var.device, var.requires_grad, var.shape,

@@ -14,7 +14,7 @@ import torch
 import amp_bn_fix
 from _bounds import assert_near
 from _builders import fp64_batch_norm, half_model, seeded_input
-from _shared import ORIGINAL
+from _shared import ORIGINAL, shim_disabled
 from amp_bn_fix import _master
 
 HALF = [torch.float16, torch.bfloat16]
@@ -298,3 +298,22 @@ def test_a_model_cast_under_master_keeps_its_master_after_the_setting_changes(bo
         master = _master.peek(bn.running_mean, bn.running_var).clone()
         bn.float()
     assert torch.equal(bn.running_mean, master[0]) and torch.equal(bn.running_var, master[1])
+
+
+@pytest.mark.parametrize("channels", [C - 2, C + 1, 40 * C], ids=["fewer", "more", "many"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "half-model-alone"])
+def test_an_input_of_other_channels_gets_torch_s_error_and_changes_nothing(both_routes, autocast, affine, channels):
+    # The statistics op that updates a master checks no size: given an input of other channels
+    # it wrote past the master (a crash, or silently wrong stats). torch must see such a call.
+    x = seeded_input((4, channels, 3, 3), torch.bfloat16)
+    with shim_disabled(), pytest.raises(RuntimeError) as theirs, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        half_model(torch.bfloat16, 2, C, affine=affine).train()(x)
+    bn = _model(torch.bfloat16) if affine else half_model(torch.bfloat16, 2, C, affine=False)
+    kept = bn.running_mean.clone(), bn.running_var.clone(), _master.peek(bn.running_mean, bn.running_var)
+    with pytest.raises(RuntimeError) as ours, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        bn.train()(x)
+    assert str(ours.value) == str(theirs.value)
+    assert torch.equal(bn.running_mean, kept[0]) and torch.equal(bn.running_var, kept[1])
+    master = _master.peek(bn.running_mean, bn.running_var)
+    assert (master is None) is (kept[2] is None) and (master is None or torch.equal(master, kept[2]))
