@@ -135,7 +135,9 @@ def _finite_floats(mean: List[float], var: List[float]) -> bool:
 
 def _restore(mean: torch.Tensor, var: torch.Tensor, before: Snapshot) -> None:
     if type(before) is tuple:
-        old = torch.tensor(before[0], dtype=mean.dtype), torch.tensor(before[1], dtype=var.dtype)
+        # On the stats' device: not the default device a ``torch.set_default_device`` names.
+        old = (torch.tensor(before[0], dtype=mean.dtype, device=mean.device),
+               torch.tensor(before[1], dtype=var.dtype, device=var.device))
     else:
         old = tuple(before.view(2, *mean.shape).unbind())
     # .data: an eval call may have saved the stats for its backward.

@@ -400,3 +400,17 @@ def test_a_nan_already_in_the_stats_keeps_its_bits(channels, spelling):
     assert torch.equal(bn.running_mean.view(torch.int32), before[0])
     assert torch.equal(bn.running_var.view(torch.int32), before[1])
     assert sum(amp_bn_fix.report()["guard_skips"].values()) >= 1
+
+
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
+@pytest.mark.parametrize("channels", [4, 40], ids=["few-channels", "many-channels"])
+def test_a_default_device_elsewhere_leaves_the_guard_on_the_stats_device(channels):
+    # torch.set_default_device (or ``with torch.device(...)``) names where factory functions
+    # allocate: the guard's restore of a CPU module's stats stays on the CPU.
+    bn = nn.BatchNorm1d(channels)
+    before = _stats(bn)
+    x = torch.randn(8, channels)
+    x[0, 0] = float("nan")
+    with torch.device("meta"), torch.autocast("cpu", dtype=torch.bfloat16):
+        bn(x.bfloat16())
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
