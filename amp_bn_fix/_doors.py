@@ -52,13 +52,13 @@ _torch_impl_index = torch._batch_norm_impl_index
 _aten_impl_index_backward = torch.ops.aten._batch_norm_impl_index_backward.default
 
 
-def _enter(call: Tuple[Any, ...], decided: Optional[Plan], original: Original, torch_own: Callable[..., Any],
+def _enter(call: Optional[Tuple[Any, ...]], decided: Optional[Plan], original: Original, torch_own: Callable[..., Any],
            args: Tuple[Any, ...], kwargs: Dict[str, Any], *, native: bool) -> Any:
     """Every door's steps after its plan: this thread's flag, then ``torch_own(*args, **kwargs)``
     (``decided`` None: the call as the door received it) or the compute with ``original`` (see
     ``_compute.run``), then the count."""
     if ((decided is None or not decided.plain) and "torch._dynamo" in _modules and is_compiling()
-            and not is_exporting() and considered(call)):
+            and not is_exporting() and call is not None and considered(call)):
         # The policy torch.compile compiles the call under (strict export traces with dynamo too,
         # but keeps no compiled code a scope could miss); a plain plan's call is not traced.
         _state.compiled_policies.add(_state.policy(device_type(call[0])))

@@ -549,6 +549,20 @@ def test_fake_tensor_mode_runs_forward_and_backward(training):
     assert model[0].weight.grad.dtype is torch.float32
 
 
+@pytest.mark.parametrize("tracked", [False, True], ids=["no-stats", "tracked"])
+def test_torch_compile_of_an_fp32_instance_norm_under_autocast_runs_as_eager(monkeypatch, tracked):
+    # The InstanceNorm door leaves an FP32 call to torch with no call of its own: the check for
+    # code compiled under a policy met nothing to check and raised.
+    monkeypatch.setattr(_state, "compiled_policies", set())
+    torch._dynamo.reset()
+    norm = nn.InstanceNorm2d(4, track_running_stats=tracked)
+    x = image()[:, :, :8, :8].repeat(1, 2, 1, 1)[:, :4]
+    compiled = torch.compile(copy.deepcopy(norm), backend="aot_eager")
+    with autocast():
+        expected, out = norm(x), compiled(x)
+    assert out.dtype is expected.dtype is torch.float32 and torch.equal(out, expected)
+
+
 @pytest.mark.slow
 def test_torch_compile_inductor_training_matches_eager(monkeypatch):
     monkeypatch.setattr(_state, "compiled_policies", set())  # forget this compile afterwards
