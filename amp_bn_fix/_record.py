@@ -92,7 +92,9 @@ class _GuardRecord:
             _after_streams(self.streams, flags or [self.device_kept])
         if flags:
             kept = torch.stack(flags).sum()
-            self.device_kept = kept if self.device_kept is None else self.device_kept.add_(kept)
+            # Out of place: a sum made under ``torch.inference_mode()`` is an inference tensor,
+            # which no later call outside it may change in place.
+            self.device_kept = kept if self.device_kept is None else self.device_kept + kept
             flags.clear()
 
     def absorb(self, other: "_GuardRecord") -> None:
@@ -103,7 +105,7 @@ class _GuardRecord:
         self.host_skips += other.host_skips
         self.device_checks += other.device_checks
         if other.device_kept is not None:
-            self.device_kept = other.device_kept if self.device_kept is None else self.device_kept.add_(other.device_kept)
+            self.device_kept = other.device_kept if self.device_kept is None else self.device_kept + other.device_kept
 
 
 # id(running_mean) -> its record

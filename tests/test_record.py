@@ -142,6 +142,21 @@ def test_device_decisions_are_summed_on_the_device_past_the_fold():
     assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"] == {"0": len(range(0, calls, 3))}
 
 
+def test_device_decisions_summed_under_inference_mode_go_on_outside_it():
+    # A recalibration under inference_mode folds the first sums there (inference tensors); the
+    # training after it adds to them.
+    bn = nn.BatchNorm2d(4)
+    calls = _record._FOLD + 1
+    with torch.inference_mode():
+        for step in range(calls):
+            _record.checked_on_device(bn.running_mean, torch.tensor(step % 3 != 0))
+        _record._record_of(bn.running_mean).fold()
+    for step in range(calls, 2 * calls):
+        _record.checked_on_device(bn.running_mean, torch.tensor(step % 3 != 0))
+    _record._record_of(bn.running_mean).fold()
+    assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"] == {"0": len(range(0, 2 * calls, 3))}
+
+
 def test_the_report_setting_is_validated_like_the_others():
     assert settings.report_requested({"AMP_BN_FIX_REPORT": "1"}) is True
     with pytest.raises(ValueError, match="AMP_BN_FIX_REPORT='sometimes' is not valid"):
