@@ -281,9 +281,9 @@ def _saved(node: Any) -> List[Any]:
         else:
             continue
         raws = raw if isinstance(raw, (tuple, list)) else () if raw is None else (raw,)
-        packed = [getattr(r, "data", None) for r in raws if getattr(r, "unpack_hook", None) is not None]
-        if packed and len(packed) == len(raws):
-            kept.extend(packed)
+        if raws and all(hasattr(r, "data") for r in raws):
+            # As stored: a tensor, what a pack hook returned, or None where nothing was saved.
+            kept.extend(r.data for r in raws)
         else:
             kept.append(getattr(node, name))
     return kept

@@ -221,15 +221,30 @@ def test_aten_batch_norm_stats_counts_one_kernel():
 
 @pytest.mark.skipif(not hasattr(torch._C._autograd.SavedTensor, "unpack_hook"),
                     reason="this torch's SavedTensor does not show what saved-tensor hooks packed")
-def test_kept_for_backward_unpacks_no_checkpoint():
+class _SavesNone(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a, None)
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+@pytest.mark.parametrize("tail", ["linear", "indexed", "function-saving-none"])
+def test_kept_for_backward_unpacks_no_checkpoint(tail):
     # Reading what a checkpointed region saved must not run it again: its BatchNorm's running
-    # stats would take a second update per saved tensor read.
+    # stats would take a second update per saved tensor read. Nodes whose saved lists hold an
+    # undefined entry too (an index op's optional indices, a None saved by a Function) included.
     from torch.utils.checkpoint import checkpoint
 
     block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    last = {"linear": lambda y: y, "indexed": lambda y: y[:, torch.tensor([0, 2])],
+            "function-saving-none": _SavesNone.apply}[tail]
     x = torch.randn(8, 4, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = checkpoint(block, x, use_reentrant=False)
+        y = checkpoint(lambda a: last(block(a)), x, use_reentrant=False)
     stats = block[1].running_mean.clone(), int(block[1].num_batches_tracked)
     kept = kept_for_backward(y)
     assert torch.equal(block[1].running_mean, stats[0]) and int(block[1].num_batches_tracked) == stats[1]
