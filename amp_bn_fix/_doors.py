@@ -34,7 +34,7 @@ from . import _compute, _guard, _record, _state, _tuning
 from ._compat import (LOW_PRECISION, device_type, exclude_autocast, foreach_copy, is_compiling, is_exporting,
                       restore_autocast, untraced)
 from ._compute import Original
-from ._plan import Plan, bind, considered, plan
+from ._plan import Plan, bind, considered, plan, shim_dtypes
 
 _thread = _state.thread
 _counts = _record.counts
@@ -195,7 +195,7 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
         # The calls a batch norm's would be the shim's (a 16-bit input, or an FP32 one next to 16-bit
         # tensors: a half model's InstanceNorm after its BatchNorm's FP32 output) with a batch
         # dimension, and stats in eval: a malformed call gets torch's own error.
-        if (considered((input, running_mean, running_var, weight, bias)) and input.dim() >= 2
+        if (shim_dtypes((input, running_mean, running_var, weight, bias)) and input.dim() >= 2
                 and (use_input_stats or (running_mean is not None and running_var is not None))):
             n, c = input.shape[0], input.shape[1]
             mean_copies, var_copies = _repeat(running_mean, n), _repeat(running_var, n)

@@ -152,9 +152,16 @@ def _is_plain(ask: Ask) -> bool:
             and _guard.joinable(mean, var) and _on_device_of(input, mean))
 
 
-def _any_16_bit(tensors: Tuple[Any, ...]) -> bool:
+def shim_dtypes(call: Tuple[Any, ...]) -> bool:
+    """Whether the dtypes of ``call`` (its first five arguments) are the shim's: a 16-bit input, or
+    an FP32 one next to 16-bit weights or stats (a half model's, after an FP32 output)."""
+    dtype = getattr(call[0], "dtype", None)
+    if dtype is _F16 or dtype is _BF16:
+        return True
+    if dtype is not _F32:
+        return False
     # A loop, not ``any()`` over a generator: an FP32 call pays this on every call the shim passes on.
-    for t in tensors:
+    for t in call[1:5]:
         dtype = getattr(t, "dtype", None)
         if dtype is _F16 or dtype is _BF16:
             return True
@@ -170,24 +177,26 @@ def _has_16_bit_stats(mean: Optional[torch.Tensor], var: Optional[torch.Tensor])
     return mean is not None and var is not None and mean.dtype in LOW_PRECISION and var.dtype is mean.dtype
 
 
-def _left_to_torch(call: Tuple[Any, ...]) -> bool:
+def _left_to_torch(call: Tuple[Any, ...], untraced: bool) -> bool:
     """Whether torch must see ``call`` as it is: to reject it, or to update the stats itself.
 
     A non-tensor parameter or statistic gets torch's own ``TypeError``, one of another dtype than
     FP32 or 16 bits (integer, float64) torch's own dtype error ("expect parameter to have scalar
-    type of Float"); in training, running stats that require grad get torch's refusal, stats of
-    another size than the input's channels torch's size error (the statistics op the shim updates
-    a master with checks no size: it would write past the stats), and stats whose elements share
-    memory (expanded, stride 0) torch's own update, which no copy-and-write-back can reproduce.
+    type of Float"); in training, running stats that require grad get torch's refusal, and stats
+    whose elements share memory (expanded, stride 0) torch's own update, which no
+    copy-and-write-back can reproduce. ``untraced``: in plain eager mode, also stats of another
+    size than the input's channels get torch's size error (a master's update runs torch's
+    statistics op there, which checks no size and would write past them; a tracer's shapes are
+    not compared, and its calls reach only torch's checked kernels).
     """
     input, mean, var, weight, bias, training, _, _ = call
     for t in (mean, var, weight, bias):
         if t is not None and (not isinstance(t, _Tensor) or (t.dtype is not _F32 and t.dtype not in LOW_PRECISION)):
             return True
     if training:
-        channels = input.shape[1:2]
+        channels = input.shape[1:2] if untraced else None
         for stat in (mean, var):
-            if stat is not None and (stat.requires_grad or stat.shape != channels
+            if stat is not None and (stat.requires_grad or (untraced and stat.shape != channels)
                                      or (not stat.is_contiguous() and has_internal_overlap(stat))):
                 return True
     return False
@@ -230,7 +239,7 @@ def _torchs(ask: Ask) -> bool:
     """An FP32 input with nothing 16-bit next to it, or a call torch must see as it is: to reject
     it, or to update the stats itself (:func:`_left_to_torch`)."""
     call = ask.call
-    return (call[0].dtype is _F32 and not _any_16_bit(call[1:5])) or _left_to_torch(call)
+    return (call[0].dtype is _F32 and not shim_dtypes(call)) or _left_to_torch(call, ask.untraced)
 
 
 def _off(ask: Ask) -> bool:
@@ -309,9 +318,10 @@ ROUTES = (
 
 
 def considered(call: Tuple[Any, ...]) -> bool:
-    """The test every call pays: whether ``call`` may be the shim's at all."""
-    dtype = getattr(call[0], "dtype", None)
-    return dtype is _F16 or dtype is _BF16 or (dtype is _F32 and (function_mode_enabled() or _any_16_bit(call[1:5])))
+    """The test every call pays: whether ``call`` may be the shim's at all, by its dtypes
+    (:func:`shim_dtypes`), or an FP32 input under a TorchFunctionMode (strict export records
+    autocast regions without entering them)."""
+    return (function_mode_enabled() and getattr(call[0], "dtype", None) is _F32) or shim_dtypes(call)
 
 
 def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
