@@ -219,8 +219,6 @@ def test_aten_batch_norm_stats_counts_one_kernel():
     assert [(k.name, k.launches) for k in traffic.kernels if k.name == "batch_norm_stats"] == [("batch_norm_stats", 1)]
 
 
-@pytest.mark.skipif(not hasattr(torch._C._autograd.SavedTensor, "unpack_hook"),
-                    reason="this torch's SavedTensor does not show what saved-tensor hooks packed")
 class _SavesNone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a):
@@ -232,6 +230,8 @@ class _SavesNone(torch.autograd.Function):
         return grad * 2
 
 
+@pytest.mark.skipif(not hasattr(torch._C._autograd.SavedTensor, "unpack_hook"),
+                    reason="this torch's SavedTensor does not show what saved-tensor hooks packed")
 @pytest.mark.parametrize("tail", ["linear", "indexed", "function-saving-none"])
 def test_kept_for_backward_unpacks_no_checkpoint(tail):
     # Reading what a checkpointed region saved must not run it again: its BatchNorm's running
