@@ -346,6 +346,9 @@ def cast_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tupl
     """The wrapper of ``_BatchNorm._apply``: casts keep BatchNorm FP32 as ``keep_fp32`` says (read per
     call), and stats that have a master carry it whatever the setting now (it applies to casts from
     FP32: a model cast under ``master`` keeps its master)."""
+    # What ``_BatchNorm`` inherits now, not the ``Module._apply`` wrapped when the shim was enabled:
+    # a library or a spy that patched it since sees BatchNorm's casts too, as in plain torch.
+    wrapped = super(torch.nn.modules.batchnorm._BatchNorm, instance)._apply
     config = _state.config
     if _state.policy() == "off":  # torch's own cast
         return apply_keeping_fp32(wrapped, instance, args, kwargs, "none")

@@ -387,3 +387,21 @@ def test_state_dicts_load_either_way(saved_by, loaded_by, keep, assign):
                 target(x)
         else:
             assert target(x).dtype is BF16
+
+
+def test_a_patch_of_module_apply_made_after_the_shim_sees_batch_norm_casts_too(monkeypatch):
+    # A library (or a test's spy) that patches nn.Module._apply after the shim is enabled tracks
+    # every module's casts, BatchNorm's included, as in plain torch; the master is still made.
+    from amp_bn_fix import _master
+
+    original, seen = nn.Module._apply, []
+
+    def tracking(self, fn, recurse=True):
+        seen.append(type(self).__name__)
+        return original(self, fn, recurse)
+
+    amp_bn_fix.configure(keep_fp32="master")
+    monkeypatch.setattr(nn.Module, "_apply", tracking)
+    bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half()[1]
+    assert seen == ["Sequential", "Linear", "BatchNorm1d"]
+    assert bn.running_mean.dtype is torch.float16 and _master.peek(bn.running_mean, bn.running_var) is not None
