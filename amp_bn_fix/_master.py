@@ -33,8 +33,9 @@ module's own tensors FP32 instead (:func:`apply_keeping_fp32`).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Set, Tuple
 
 import torch
 
@@ -360,3 +361,32 @@ def cast_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tupl
 def _has_own_master(module: torch.nn.Module) -> bool:
     mean, var = module._buffers.get("running_mean"), module._buffers.get("running_var")
     return mean is not None and var is not None and has(mean, var)
+
+
+def load_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The wrapper of ``_BatchNorm._load_from_state_dict``. Where torch swaps the loaded tensors into
+    the module's (``torch.__future__.set_swap_module_params_on_conversion(True)``), it refuses a
+    tensor with weak references: the shim's, of a master and of a guard record, give way for the
+    load. The master then finds the loaded values at the next call, and starts again from them."""
+    if not torch.__future__.get_swap_module_params_on_conversion():
+        return wrapped(*args, **kwargs)
+    mean, var = instance._buffers.get("running_mean"), instance._buffers.get("running_var")
+    if mean is None or var is None:
+        return wrapped(*args, **kwargs)
+    with _holding(mean, var), _record.holding(mean):
+        return wrapped(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _holding(running_mean: torch.Tensor, running_var: torch.Tensor) -> Iterator[None]:
+    """Within the block, the master of these buffers (if any) holds them without weak references."""
+    master = _masters.get(id(running_mean))
+    if master is None or master.mean_ref() is not running_mean or master.var_ref() is not running_var:
+        yield
+        return
+    on_death = master.mean_ref.__callback__  # type: ignore[attr-defined]
+    master.mean_ref, master.var_ref = (lambda: running_mean), (lambda: running_var)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        master.mean_ref, master.var_ref = weakref.ref(running_mean, on_death), weakref.ref(running_var)

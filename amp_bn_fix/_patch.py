@@ -115,6 +115,7 @@ class WraptPatch:
 PATCHES: Tuple[Patch, ...] = (
     WraptPatch(torch.nn.functional, "batch_norm", _doors.batch_norm),
     WraptPatch(torch.nn.modules.batchnorm._BatchNorm, "_apply", _master.cast_hook),
+    WraptPatch(torch.nn.modules.batchnorm._BatchNorm, "_load_from_state_dict", _master.load_hook),
     WraptPatch(torch.nn.modules._functions.SyncBatchNorm, "apply", _doors.sync_batch_norm),
     # Activation checkpointing's recompute keeps the policy() scopes of its forward.
     WraptPatch(torch.utils.checkpoint, _checkpoint.GENERATOR, _checkpoint.without_reentrant),

@@ -23,11 +23,12 @@ record per device.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
 
@@ -156,6 +157,22 @@ def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
             _sweep()
         record = _guard[key] = _GuardRecord(running_mean)
     return record
+
+
+@contextlib.contextmanager
+def holding(running_mean: torch.Tensor) -> Iterator[None]:
+    """Within the block, the record of ``running_mean`` (if any) holds it without a weak reference,
+    and takes one again after: torch's swap of a tensor's contents (``torch.utils.swap_tensors``)
+    refuses a tensor that has one."""
+    record = _guard.get(id(running_mean))
+    if record is None or record.ref() is not running_mean:
+        yield
+        return
+    record.ref = lambda: running_mean
+    try:
+        yield
+    finally:
+        record.ref = weakref.ref(running_mean)
 
 
 def _retire(record: _GuardRecord) -> None:

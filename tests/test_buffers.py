@@ -405,3 +405,40 @@ def test_a_patch_of_module_apply_made_after_the_shim_sees_batch_norm_casts_too(m
     bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half()[1]
     assert seen == ["Sequential", "Linear", "BatchNorm1d"]
     assert bn.running_mean.dtype is torch.float16 and _master.peek(bn.running_mean, bn.running_var) is not None
+
+
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
+@pytest.mark.parametrize("model", ["half-model", "fp32-model-after-a-skip"])
+def test_load_state_dict_swapping_tensors_loads_batch_norm_stats(model):
+    # torch's swap mode swaps the loaded tensors into the module's, and refuses a tensor with weak
+    # references: the master's and the guard record's give way for the load.
+    from amp_bn_fix import _master
+
+    amp_bn_fix.configure(keep_fp32="master")
+    bn = nn.BatchNorm1d(4)
+    if model == "half-model":
+        bn.half()
+        with torch.autocast("cpu", dtype=torch.float16):
+            bn(torch.randn(8, 4).half())
+        assert _master.peek(bn.running_mean, bn.running_var) is not None
+    else:
+        x = torch.randn(8, 4)
+        x[0, 0] = float("inf")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bn(x.bfloat16())
+    skips = amp_bn_fix.report(bn)["guard_skips"]
+    dtype = bn.running_mean.dtype
+    state = {name: value.clone() for name, value in bn.state_dict().items()}
+    state["running_mean"], state["running_var"] = MEAN.to(dtype), VAR.to(dtype)
+    old = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        mean = bn.running_mean
+        bn.load_state_dict(state)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(old)
+    assert bn.running_mean is mean and torch.equal(bn.running_mean, MEAN.to(dtype))
+    assert amp_bn_fix.report(bn)["guard_skips"] == skips  # the record still knows its module
+    if model == "half-model":  # the next eval call reads the loaded values, not the old master
+        peeked = _master.peek(bn.running_mean, bn.running_var)
+        assert torch.equal(peeked[0], MEAN.to(dtype).float())
