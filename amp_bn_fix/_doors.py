@@ -181,10 +181,11 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
 
     Like ATen: sample ``i``'s channels become channels of one batch norm over ``(1, N*C, ...)``,
     with ``N`` copies of weight, bias and running stats, and in training the module's stats become
-    the mean of their updated copies. Unlike ATen (torch 2.13), which casts the copies to the
-    input's dtype, so that FP32 stats are updated in 16 bits, the copies keep the stats' dtype:
-    the compute updates them in FP32, and the guard judges their average on the module's stats
-    (one record per module, named by ``report(model)``). A call left to torch is torch's own.
+    the mean of their updated copies. Unlike ATen (torch 2.13, without affine weights), which
+    casts the copies to the input's dtype, so that FP32 stats are updated in 16 bits, the copies
+    keep the stats' dtype: the compute updates them in FP32, and the guard judges their average on
+    the module's stats (one record per module, named by ``report(model)``). A call left to torch
+    is torch's own.
     """
 
     def instance_norm_at_autocast(*args: Any) -> torch.Tensor:

@@ -5,9 +5,10 @@ normalization and running-stat update) without an FP32 copy of the input. On CPU
 training kernel is slow for NCHW inputs and a half-to-float copy costs about as much as a whole
 mixed-dtype batch norm, while the native mixed-dtype kernel (half input, FP32 parameters and
 statistics) accumulates in FP32, normalizes in FP32 and rounds once. Its statistics accumulate a
-whole channel in float where the FP32 kernel's accumulate in double: about 1e-5 relative error in
-the variance at 1e5 values per channel, far below one half-precision rounding of the output, and
-exactly what native autocast computes. On a GPU, time follows the bytes each kernel moves, and
+whole channel in float where the FP32 kernel's accumulate in double for contiguous NCHW inputs
+(for channels_last and 2-D inputs it too sums in float): about 1e-5 relative error in the variance
+at 1e5 values per channel, far below one half-precision rounding of the output, and exactly what
+native autocast computes. On a GPU, time follows the bytes each kernel moves, and
 the copy is most of them.
 
 * :func:`mixed_batch_norm`: half output, the native mixed kernel (CPU), no copy of the input.
