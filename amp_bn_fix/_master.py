@@ -69,11 +69,19 @@ class _Master:
 _masters: Dict[int, _Master] = {}
 
 
+def _registered(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[_Master]:
+    """The master made for these very buffer objects, as they are now or not."""
+    master = _masters.get(id(running_mean))
+    if master is None or master.mean_ref() is not running_mean or master.var_ref() is not running_var:
+        return None
+    return master
+
+
 def _of(running_mean: torch.Tensor, running_var: torch.Tensor) -> Optional[_Master]:
     """The master made for these very buffer objects, whether it still holds or not (none where the
     buffers were given another shape, device or dtype through ``.data``: channel pruning, say)."""
-    master = _masters.get(id(running_mean))
-    if master is None or master.mean_ref() is not running_mean or master.var_ref() is not running_var:
+    master = _registered(running_mean, running_var)
+    if master is None:
         return None
     written = master.written
     if (written.shape[1:] != running_mean.shape or written.device != running_mean.device
@@ -228,13 +236,17 @@ def clear() -> None:
 
 # The cast hook: ``Module._apply(fn)`` performs every conversion (``.half()``, ``.bfloat16()``,
 # ``.to(...)``, ``.cuda()``, ``.type(...)``), calling ``fn`` on each parameter, gradient and buffer.
-_STATS = ("running_mean", "running_var")
 _AFFINE = ("weight", "bias")
+
+
+def _stats_of(module: torch.nn.Module) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The running mean and variance ``module`` holds now (None where it has none)."""
+    return module._buffers.get("running_mean"), module._buffers.get("running_var")
 
 
 def _kept_ids(module: torch.nn.Module, keep: str) -> Set[int]:
     """The ids of the tensors of ``module`` (not of its children) that must not become 16-bit."""
-    tensors = [module._buffers.get(name) for name in _STATS]
+    tensors = list(_stats_of(module))
     if keep == "all":
         for name in _AFFINE:
             param = module._parameters.get(name)
@@ -306,7 +318,7 @@ def apply_carrying_masters(
     if not (args or "fn" in kwargs):
         return original(*args, **kwargs)  # a malformed call raises torch's own error
     fn, rest, rest_kwargs = _split_fn(args, kwargs)
-    mean, var = module._buffers.get("running_mean"), module._buffers.get("running_var")
+    mean, var = _stats_of(module)
     # A lazy module before its first batch has no values yet: torch's cast sets the dtype it will have.
     if mean is None or var is None or isinstance(mean, _UninitializedBuffer) or mean.is_meta:
         return original(*args, **kwargs)
@@ -332,7 +344,7 @@ def apply_carrying_masters(
         return result
 
     out = original(carrying_fn, *rest, **rest_kwargs)
-    new_mean, new_var = module._buffers.get("running_mean"), module._buffers.get("running_var")
+    new_mean, new_var = _stats_of(module)
     if new_mean is mean and new_var is var:  # the master goes on with its buffers
         return out
     if (
@@ -359,7 +371,7 @@ def cast_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tupl
 
 
 def _has_own_master(module: torch.nn.Module) -> bool:
-    mean, var = module._buffers.get("running_mean"), module._buffers.get("running_var")
+    mean, var = _stats_of(module)
     return mean is not None and var is not None and has(mean, var)
 
 
@@ -370,7 +382,7 @@ def load_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tupl
     load. The master then finds the loaded values at the next call, and starts again from them."""
     if not torch.__future__.get_swap_module_params_on_conversion():
         return wrapped(*args, **kwargs)
-    mean, var = instance._buffers.get("running_mean"), instance._buffers.get("running_var")
+    mean, var = _stats_of(instance)
     if mean is None or var is None:
         return wrapped(*args, **kwargs)
     with _holding(mean, var), _record.holding(mean):
@@ -380,8 +392,8 @@ def load_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tupl
 @contextlib.contextmanager
 def _holding(running_mean: torch.Tensor, running_var: torch.Tensor) -> Iterator[None]:
     """Within the block, the master of these buffers (if any) holds them without weak references."""
-    master = _masters.get(id(running_mean))
-    if master is None or master.mean_ref() is not running_mean or master.var_ref() is not running_var:
+    master = _registered(running_mean, running_var)
+    if master is None:
         yield
         return
     on_death = master.mean_ref.__callback__  # type: ignore[attr-defined]
