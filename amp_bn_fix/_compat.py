@@ -62,8 +62,13 @@ def autocast_enabled(device_type: str) -> bool:
     Under ``vmap`` whether autocast casts an op depends on the op's batching rule and on what is
     batched (a batched Linear's output stays FP32; under ``jacfwd`` only the tangents are batched,
     and a convolution's primal is cast as outside it): the call's input dtype says which it did.
-    False for device types autocast does not know.
+    False for device types autocast does not know. For CPU and CUDA the thread's flag itself, with
+    no argument parsing: autocast is on exactly where its dispatch key is not excluded
+    (``is_autocast_enabled`` in ``aten/src/ATen/autocast_mode.cpp``, torch 2.4 and later).
     """
+    key = _ALWAYS_AVAILABLE_KEYS.get(device_type)
+    if key is not None:
+        return not _key_excluded(key)
     return _is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
@@ -99,6 +104,8 @@ AUTOCAST_KEYS = {
 }
 _key_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_key_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+# The device types autocast supports in every build, and their keys.
+_ALWAYS_AVAILABLE_KEYS = {device_type: AUTOCAST_KEYS[device_type] for device_type in ("cpu", "cuda")}
 
 
 def exclude_autocast(device_type: str, eager: bool) -> Any:

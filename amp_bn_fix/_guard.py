@@ -27,6 +27,7 @@ from ._compat import foreach_copy
 
 _F32 = torch.float32
 _INF = float("inf")
+_isfinite = math.isfinite
 _vector_norm = torch.linalg.vector_norm
 _dot = torch.dot
 
@@ -63,7 +64,7 @@ def begin(mean: torch.Tensor, var: torch.Tensor, *, guard: bool, eager: bool, ho
             # signalling one comes back quiet), so stats that are not finite already are copied.
             if (plain or mean.dim() == 1) and mean.numel() <= LISTED_CHANNELS:
                 before = mean.tolist(), var.tolist()
-                if _finite_floats(*before):
+                if _finite_floats(before):
                     return mean, var, (_HOST, before)
             return mean, var, (_HOST, _joined(mean, var))
         work = _joined(mean, var).view(2, *mean.shape)
@@ -91,7 +92,7 @@ def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, up
     kind, data = token
     if kind == _HOST:
         # A snapshot of Python floats says the stats are few and 1-D (:func:`begin`): read them so again.
-        if _finite_floats(mean.tolist(), var.tolist()) if type(data) is tuple else host_finite(mean, var):
+        if _finite_floats((mean.tolist(), var.tolist())) if type(data) is tuple else host_finite(mean, var):
             return
         _restore(mean, var, data)
         _record.skipped(counted_for)
@@ -111,7 +112,7 @@ def finish(mean: torch.Tensor, var: torch.Tensor, updated_mean: torch.Tensor, up
 def host_finite(mean: torch.Tensor, var: torch.Tensor) -> bool:
     """Whether every value of ``mean`` and ``var`` is finite, read on the host."""
     if mean.dim() == 1 and var.dim() == 1 and mean.numel() <= LISTED_CHANNELS:
-        return _finite_floats(mean.tolist(), var.tolist())
+        return _finite_floats((mean.tolist(), var.tolist()))
     # Their dot product is finite only if every value is (it can also overflow where none is);
     # when it is not, or the stats are not 1-D (torch's error to report), the values themselves.
     return (mean.dim() == 1 and var.dim() == 1 and math.isfinite(_dot(mean, var).item())
@@ -127,10 +128,10 @@ def _all_finite(joined: torch.Tensor) -> torch.Tensor:
     return _vector_norm(joined, _INF) < _INF
 
 
-def _finite_floats(mean: List[float], var: List[float]) -> bool:
+def _finite_floats(stats: Tuple[List[float], List[float]]) -> bool:
     # The sum of float32 values in double overflows for no count that fits in memory, so it is
     # finite exactly when each value is.
-    return math.isfinite(sum(mean) + sum(var))
+    return _isfinite(sum(stats[0]) + sum(stats[1]))
 
 
 def _restore(mean: torch.Tensor, var: torch.Tensor, before: Snapshot) -> None:

@@ -25,9 +25,6 @@ from _amp_bn_fix_boot.settings import Config
 
 _F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
-_is_autocast_enabled = torch.is_autocast_enabled
-# Device types autocast always knows (others are asked whether it does first).
-_AUTOCAST_TYPES = frozenset({"cpu", "cuda"})
 
 
 class BatchNormCall(NamedTuple):
@@ -321,7 +318,7 @@ def considered(call: Tuple[Any, ...]) -> bool:
     """The test every call pays: whether ``call`` may be the shim's at all, by its dtypes
     (:func:`shim_dtypes`), or an FP32 input under a TorchFunctionMode (strict export records
     autocast regions without entering them)."""
-    return (function_mode_enabled() and getattr(call[0], "dtype", None) is _F32) or shim_dtypes(call)
+    return shim_dtypes(call) or (function_mode_enabled() and getattr(call[0], "dtype", None) is _F32)
 
 
 def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:
@@ -393,22 +390,22 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str, masters: bo
     same. The settings key the memo itself (:func:`_new_memo`).
     """
     input, mean, var, weight, bias, training = call[:6]
-    # Untraced: no torch.func transform, so autocast's own flag is the routes' ``autocast_enabled``.
-    autocast = _is_autocast_enabled(kind) if kind in _AUTOCAST_TYPES else autocast_enabled(kind)
+    autocast = autocast_enabled(kind)
     try:
+        shape = input.shape  # read once: the number of dimensions, and the channels
         # The stats' layout, device and requires_grad matter to an update only. A CPU tensor's
         # device is read without making a device object (``Tensor.device`` makes one, which on the
         # common call costs more than the rest of the key), and strides only where the shape does
         # not say them (a contiguous tensor's).
         layout = None if not training else (
-            input.shape[1:2],
+            shape[1] if len(shape) > 1 else None,
             None if mean is None else (mean.is_cpu or mean.device, mean.requires_grad, mean.shape,
                                        mean.is_contiguous() or mean.stride()),
             None if var is None else (var.is_cpu or var.device, var.requires_grad, var.shape,
                                       var.is_contiguous() or var.stride()))
         return (
             guard, policy, training, autocast, autocast and policy == "autocast" and autocast_dtype(kind),
-            type(input), input.dtype, kind, input.get_device(), input.dim(),
+            type(input), input.dtype, kind, input.get_device(), len(shape),
             type(weight), None if weight is None else weight.dtype,
             type(bias), None if bias is None else bias.dtype,
             type(mean), None if mean is None else mean.dtype,
