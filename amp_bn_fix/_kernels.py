@@ -58,12 +58,32 @@ def mixed_batch_norm(original: Callable[..., torch.Tensor], layout: torch.memory
         # batch statistics to half; one FP32 weight of ones makes it the mixed (FP32) kernel.
         weight = torch.ones(input.shape[1], dtype=torch.float32, device=input.device)
     out = original(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    if layout is not torch.contiguous_format and out.requires_grad:
-        # On CPU the mixed backward accumulates in the input's dtype when the incoming gradient is
-        # laid out differently from a channels_last input (bfloat16 bias gradients off by ~1e-3):
-        # hand it the gradient in the input's layout (a no-op when it already is).
-        out.register_hook(lambda grad: grad.contiguous(memory_format=layout))
+    if out.requires_grad:
+        # On CPU the mixed backward accumulates in FP32 only when the incoming gradient is laid out
+        # as the input is; otherwise in the input's dtype (bfloat16 bias gradients off by ~1e-3).
+        # A transpose, a mean over the batch or a channels_last op after BatchNorm hands it such a
+        # gradient: its backward node gets it in the input's layout (nothing is copied where it is).
+        out.grad_fn.register_prehook(_GRADIENT_IN[layout])
     return out
+
+
+def _gradient_in(layout: torch.memory_format) -> Callable[[Tuple[Optional[torch.Tensor], ...]], Any]:
+    """A pre-hook of a batch norm's backward node: the output's gradient (its first) in ``layout``.
+
+    A node's pre-hook, not a tensor hook: the latter's registration costs half as much again.
+    """
+
+    def in_layout(grads: Tuple[Optional[torch.Tensor], ...]) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
+        grad = grads[0]
+        if grad is None or grad.is_contiguous(memory_format=layout):
+            return None
+        return (grad.contiguous(memory_format=layout), *grads[1:])
+
+    return in_layout
+
+
+_GRADIENT_IN = {layout: _gradient_in(layout)
+                for layout in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)}
 
 
 def mixed_kernel_layout(input: torch.Tensor) -> Optional[torch.memory_format]:

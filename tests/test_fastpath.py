@@ -44,6 +44,8 @@ class Case:
     training: bool
     momentum: float = 0.1
     eps: float = 1e-5
+    # How the output's gradient is laid out (see ``output_gradient``).
+    grad_layout: str = "contiguous"
 
     def leaves(self) -> List[torch.Tensor]:
         return [t for t in (self.x, self.weight, self.bias) if t is not None]
@@ -89,10 +91,25 @@ def run(case: Case, fn: Callable, cast: Callable[[torch.Tensor], torch.Tensor], 
     x, weight, bias = prep(case.x), prep(case.weight), prep(case.bias)
     stats = [None if s is None else cast(s.clone()) for s in (case.running_mean, case.running_var)]
     out = fn(x, stats[0], stats[1], weight, bias, case.training, case.momentum, case.eps)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(grad_dtype)
+    grad_out = output_gradient(out.shape, case.grad_layout, grad_dtype)
     leaves = [t for t in (x, weight, bias) if t is not None]
     grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype)) if out.numel() else [None] * len(leaves)
     return out, stats, list(grads)
+
+
+def output_gradient(shape, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """A seeded gradient for an output of ``shape``, laid out as the op after a BatchNorm leaves it:
+    ``contiguous``; ``channels_last``; ``permuted`` (a transpose after it, as in Conv1d -> BatchNorm1d
+    -> transpose -> Linear); ``expanded`` (a mean or sum over the batch after it: stride 0)."""
+    g = torch.Generator().manual_seed(2)
+    if layout == "expanded":
+        return torch.randn((1, *shape[1:]), generator=g).to(dtype).expand(shape)
+    if layout == "permuted":
+        return torch.randn(tuple(reversed(shape)), generator=g).to(dtype).permute(*reversed(range(len(shape))))
+    grad = torch.randn(shape, generator=g).to(dtype)
+    if layout == "channels_last":
+        grad = grad.contiguous(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+    return grad
 
 
 def shim(case: Case, autocast_dtype: Optional[torch.dtype]):
@@ -195,6 +212,32 @@ def test_every_shape_policy_and_flag_matches_the_references(both_routes, dtype, 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_memory_layouts_match_the_references(both_routes, dtype, policy, layout, shape, training):
     case = make_case(shape, dtype, layout, training, affine=True, stats=True)
+    check_case(case, policy, dtype, both_routes)
+
+
+# Torch's CPU mixed-dtype backward sums in the input's dtype when the gradient is laid out otherwise
+# than the input: every pairing of the two, on the shapes whose channels_last differs from contiguous.
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("layout, grad_layout", [
+    ("contiguous", "channels_last"), ("contiguous", "permuted"), ("contiguous", "expanded"),
+    ("channels_last", "contiguous"), ("channels_last", "permuted"), ("channels_last", "expanded"),
+])
+@pytest.mark.parametrize("shape", [SHAPES["bn2d"], SHAPES["bn3d"]], ids=["bn2d", "bn3d"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_gradient_layouts_match_the_references(both_routes, dtype, policy, layout, grad_layout, shape, training):
+    case = make_case(shape, dtype, layout, training, affine=True, stats=True)
+    case.grad_layout = grad_layout
+    check_case(case, policy, dtype, both_routes)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("shape", [SHAPES["bn1d-3d"], SHAPES["bn1d-2d"]], ids=["bn1d-3d", "bn1d-2d"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_transpose_after_batch_norm_1d_matches_the_references(both_routes, dtype, shape, policy):
+    # Conv1d -> BatchNorm1d -> transpose -> Linear: the gradient comes back transposed.
+    case = make_case(shape, dtype, "contiguous", training=True, affine=True, stats=True)
+    case.grad_layout = "permuted"
     check_case(case, policy, dtype, both_routes)
 
 
