@@ -356,7 +356,11 @@ def _imported_to_run_the_command() -> bool:
 
 
 def _start() -> None:
-    """Apply the environment's settings and enable the shim (unless ``AMP_BN_FIX_POLICY=off``)."""
+    """Apply the environment's settings and enable the shim (unless ``AMP_BN_FIX_POLICY=off``), once
+    per process: ``importlib.reload(amp_bn_fix)`` (IPython's autoreload) keeps the settings, the
+    patches and the exit summary as they are."""
+    if _state.started:
+        return
     try:
         config = _settings.from_env()
         report_at_exit = _settings.report_requested()
@@ -365,6 +369,7 @@ def _start() -> None:
             return  # the command reports it, and enables nothing
         raise
     _config.configure(config)
+    _state.started = True
     if report_at_exit:
         _atexit.register(_record.print_summary)
     unknown = _settings.unknown_names()

@@ -37,7 +37,7 @@ from ._compute import Original
 from ._plan import Plan, bind, considered, plan, shim_dtypes
 
 _thread = _state.thread
-_counts = _record.counts
+_passed = _record.passed
 _modules = sys.modules
 _has_torch_function = has_torch_function_variadic
 # Below the dispatcher kernels, ops run as ``torch.batch_norm``'s binding (a few microseconds less
@@ -65,7 +65,7 @@ def _enter(call: Optional[Tuple[Any, ...]], decided: Optional[Plan], original: O
     _thread.inside = True
     try:
         if decided is None:
-            _counts.passed += 1
+            _passed()
             return torch_own(*args, **kwargs)
         out = _compute.run(original, call, decided, native=native)
     finally:

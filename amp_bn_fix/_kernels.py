@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import _tuning
+from . import _state, _tuning
 from ._compat import LOW_PRECISION, is_batched, plain_eager
 
 _aten = torch.ops.aten
@@ -376,11 +376,13 @@ def _stand_in() -> Callable[..., Tuple[torch.Tensor, torch.Tensor]]:
     stand-in matches by reducing in float64."""
     global _library
     if _library is None:
-        library = torch.library.Library("amp_bn_fix", "FRAGMENT")
-        library.define("batch_norm_stats(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
-                       "float momentum) -> (Tensor, Tensor)")
-        library.impl("batch_norm_stats", _cuda_statistics_on_cpu, "CPU")
-        _library = library
+        with _state.lock:  # the first calls of several threads: one registration
+            if _library is None:
+                library = torch.library.Library("amp_bn_fix", "FRAGMENT")
+                library.define("batch_norm_stats(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+                               "float momentum) -> (Tensor, Tensor)")
+                library.impl("batch_norm_stats", _cuda_statistics_on_cpu, "CPU")
+                _library = library
     return torch.ops.amp_bn_fix.batch_norm_stats
 
 

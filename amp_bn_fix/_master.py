@@ -210,7 +210,7 @@ def seed(running_mean: torch.Tensor, running_var: torch.Tensor, values: torch.Te
 
     def drop(ref: "weakref.ReferenceType[torch.Tensor]") -> None:
         if _masters.get(key) is master:
-            del _masters[key]
+            _masters.pop(key, None)
 
     master = _Master(running_var, values, written, weakref.ref(running_mean, drop))
     _masters[key] = master
@@ -230,8 +230,11 @@ def clear() -> None:
     hand memory the graph writes to other tensors. Checked by value, they are right again whenever
     the shim is enabled anew.
     """
-    for key in [key for key, master in _masters.items() if not master.captured]:
-        del _masters[key]
+    # A copy of the items, and no error for a key gone since: a master's callback drops it when its
+    # buffers die, in any thread, at any allocation.
+    for key, master in list(_masters.items()):
+        if not master.captured:
+            _masters.pop(key, None)
 
 
 # The cast hook: ``Module._apply(fn)`` performs every conversion (``.half()``, ``.bfloat16()``,
@@ -244,14 +247,23 @@ def _stats_of(module: torch.nn.Module) -> Tuple[Optional[torch.Tensor], Optional
     return module._buffers.get("running_mean"), module._buffers.get("running_var")
 
 
+# What torch computes a weight or bias from, besides the parameter itself: pruning's ``{name}_orig``
+# (``torch.nn.utils.prune``) and weight norm's ``{name}_g`` and ``{name}_v`` (``torch.nn.utils.weight_norm``).
+_SOURCE_SUFFIXES = ("", "_orig", "_g", "_v")
+
+
 def _kept_ids(module: torch.nn.Module, keep: str) -> Set[int]:
-    """The ids of the tensors of ``module`` (not of its children) that must not become 16-bit."""
+    """The ids of the tensors of ``module`` that must not become 16-bit: its running stats, and under
+    ``all`` its weight and bias, or what torch computes them from (pruning's and weight norm's
+    parameters, a parametrization's originals) with their gradients."""
     tensors = list(_stats_of(module))
     if keep == "all":
+        parametrizations = module._modules.get("parametrizations")
         for name in _AFFINE:
-            param = module._parameters.get(name)
-            if param is not None:
-                tensors += [param, param.grad]
+            params = [module._parameters.get(name + suffix) for suffix in _SOURCE_SUFFIXES]
+            if parametrizations is not None and name in parametrizations:
+                params += parametrizations[name].parameters()
+            tensors += [t for param in params if param is not None for t in (param, param.grad)]
     return {id(t) for t in tensors if t is not None}
 
 

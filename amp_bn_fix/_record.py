@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Set
@@ -44,6 +45,23 @@ class _Counts:
 
 
 counts = _Counts()
+# Held by every change of the counts and the records below, and by their readers: threads count
+# calls at once (nn.DataParallel's replicas, one per device, each with running stats of its own),
+# and a sweep's folds run torch ops that let other threads in half-way. Reentrant: a fold may
+# free a tensor whose weak-reference callback counts. Apart from ``_state.lock`` (the settings and
+# the patches): counting never waits for a settings change.
+lock = threading.RLock()
+
+
+def _new_lock_in_child() -> None:
+    # A fork (DataLoader workers) copies the lock as it is: held, if another thread was counting.
+    global lock
+    lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_new_lock_in_child)
+
 # The device route's decisions are kept as they come and summed every this many: one stack and
 # one sum on the device per _FOLD calls, instead of an add per call.
 _FOLD = 64
@@ -140,11 +158,20 @@ def _after_streams(streams: Set[Any], tensors: List[torch.Tensor]) -> None:
         streams.add(current)
 
 
+def passed() -> None:
+    with lock:
+        counts.passed += 1
+
+
 def handled(counted_as: str) -> None:
-    counts.handled[counted_as] = counts.handled.get(counted_as, 0) + 1
-    # capturing(), written out: a Python frame less on every handled call.
-    if _cuda._initialized and _cuda.is_current_stream_capturing():
-        counts.captured[counted_as] = counts.captured.get(counted_as, 0) + 1
+    with lock:
+        counts.handled[counted_as] = counts.handled.get(counted_as, 0) + 1
+        # capturing(), written out: a Python frame less on every handled call.
+        if _cuda._initialized and _cuda.is_current_stream_capturing():
+            counts.captured[counted_as] = counts.captured.get(counted_as, 0) + 1
+
+
+# The records' helpers below run with ``lock`` held by their callers.
 
 
 def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
@@ -164,15 +191,20 @@ def holding(running_mean: torch.Tensor) -> Iterator[None]:
     """Within the block, the record of ``running_mean`` (if any) holds it without a weak reference,
     and takes one again after: torch's swap of a tensor's contents (``torch.utils.swap_tensors``)
     refuses a tensor that has one."""
-    record = _guard.get(id(running_mean))
-    if record is None or record.ref() is not running_mean:
+    with lock:
+        record = _guard.get(id(running_mean))
+        if record is None or record.ref() is not running_mean:
+            record = None
+        else:
+            record.ref = lambda: running_mean
+    if record is None:
         yield
         return
-    record.ref = lambda: running_mean
     try:
         yield
     finally:
-        record.ref = weakref.ref(running_mean)
+        with lock:
+            record.ref = weakref.ref(running_mean)
 
 
 def _retire(record: _GuardRecord) -> None:
@@ -207,8 +239,9 @@ def _sweep() -> None:
 
 def skipped(running_mean: torch.Tensor) -> None:
     """The guard, deciding on the host, left ``running_mean`` (and its variance) as they were."""
-    record = _record_of(running_mean)
-    record.host_skips += 1
+    with lock:
+        record = _record_of(running_mean)
+        record.host_skips += 1
     _warn_first_skip(running_mean, record)
 
 
@@ -221,13 +254,14 @@ def checked_on_device(running_mean: torch.Tensor, finite: torch.Tensor) -> None:
     """
     if capturing():
         return
-    record = _record_of(running_mean)
-    record.device_checks += 1
-    record.device_flags.append(finite)
-    if finite.is_cuda:
-        record.streams.add(_cuda.current_stream(finite.device))
-    if len(record.device_flags) == _FOLD:
-        record.fold()
+    with lock:
+        record = _record_of(running_mean)
+        record.device_checks += 1
+        record.device_flags.append(finite)
+        if finite.is_cuda:
+            record.streams.add(_cuda.current_stream(finite.device))
+        if len(record.device_flags) == _FOLD:
+            record.fold()
 
 
 def _label(running_mean: torch.Tensor) -> str:
@@ -237,10 +271,11 @@ def _label(running_mean: torch.Tensor) -> str:
 
 def _warn_first_skip(running_mean: torch.Tensor, record: _GuardRecord) -> None:
     global _warned
-    if _warned:
-        return
-    _warned = True
-    record.label = record.label or _label(running_mean)
+    with lock:
+        if _warned:
+            return
+        _warned = True
+        record.label = record.label or _label(running_mean)
     warnings.warn(
         f"amp_bn_fix: the guard left {record.label} as they were: this batch's statistics were not finite "
         "(inf or NaN). Further skips are counted, not reported: see amp_bn_fix.report(model), which names "
@@ -266,26 +301,27 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
         raise RuntimeError(
             "amp_bn_fix.report() reads the guard's counters from the device, which is not allowed while a "
             "CUDA graph is captured: call it outside the captured region")
-    _retire_dead()
     names = {}
     if model is not None:
         names = {id(m.running_mean): name or type(m).__name__ for name, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.running_mean is not None}
     skips: Dict[str, int] = {}
-    for key, record in [*((None, r) for r in _deleted.values()), *_guard.items()]:
-        stat = record.ref()
-        total = record.skips()
-        if total:
-            if stat is None:
-                name = DELETED
-            else:
-                record.label = record.label or _label(stat)
-                name = names.get(key) or record.label
-            skips[name] = skips.get(name, 0) + total
-    record = {"handled": dict(counts.handled), "passed_through": counts.passed, "guard_skips": skips}
-    if counts.captured:
-        record["captured"] = dict(counts.captured)
-    return record
+    with lock:
+        _retire_dead()
+        for key, record in [*((None, r) for r in _deleted.values()), *_guard.items()]:
+            stat = record.ref()
+            total = record.skips()
+            if total:
+                if stat is None:
+                    name = DELETED
+                else:
+                    record.label = record.label or _label(stat)
+                    name = names.get(key) or record.label
+                skips[name] = skips.get(name, 0) + total
+        found = {"handled": dict(counts.handled), "passed_through": counts.passed, "guard_skips": skips}
+        if counts.captured:
+            found["captured"] = dict(counts.captured)
+    return found
 
 
 def summary() -> str:
@@ -321,10 +357,11 @@ def print_summary() -> None:
 
 def reset() -> None:
     global _warned
-    counts.passed = 0
-    counts.handled.clear()
-    counts.captured.clear()
-    _guard.clear()
-    _deleted.clear()
-    _dead.clear()
-    _warned = False
+    with lock:
+        counts.passed = 0
+        counts.handled.clear()
+        counts.captured.clear()
+        _guard.clear()
+        _deleted.clear()
+        _dead.clear()
+        _warned = False

@@ -10,17 +10,33 @@ The scopes belong to a context, and change only through :func:`swap_scopes` and
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 from typing import Optional, Set, Tuple
 
 from _amp_bn_fix_boot.settings import Config
 
 # Held by every writer of the process-wide state below (installing and removing the patches, the
-# settings, the device route): one at a time. Reentrant: a read-change-write of the settings holds
+# settings, the device route) and by the registration of the device route's CPU stand-in op
+# (``_kernels``): one at a time. Reentrant: a read-change-write of the settings holds
 # it around the write, which takes it too.
 lock = threading.RLock()
+
+
+def _new_lock_in_child() -> None:
+    # A fork (DataLoader workers) copies the lock as it is: held, if another thread was changing the
+    # settings then (they are replaced whole, so the child's are whole too).
+    global lock
+    lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_new_lock_in_child)
+
 # The settings in force: replaced whole (one assignment, so a reader sees old or new), never changed.
 config = Config()
+# Whether ``import amp_bn_fix`` has applied the environment's settings (once per process).
+started = False
 # Whether the shim's patches are in place: a reference to a wrapper kept after ``disable()`` only
 # forwards to torch.
 active = False

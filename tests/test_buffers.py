@@ -12,6 +12,9 @@ import sys
 
 import pytest
 import torch
+import torch.nn.utils.parametrizations
+import torch.nn.utils.parametrize
+import torch.nn.utils.prune
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -185,6 +188,38 @@ def test_keep_all_keeps_weight_bias_and_grads_fp32_like_apex_o2(conversion):
     # Parameter objects are kept exactly where torch keeps them (not under "overwrite").
     assert (bn.weight is weight) is (not overwrite)
     assert bn.weight.grad is grad
+
+
+class _Abs(nn.Module):
+    def forward(self, weight):
+        return weight.abs()
+
+
+def _parametrized(bn):
+    torch.nn.utils.parametrize.register_parametrization(bn, "weight", _Abs())
+    return bn
+
+
+WEIGHT_TRANSFORMS = {
+    "parametrize": _parametrized,
+    "parametrizations.weight_norm": lambda bn: torch.nn.utils.parametrizations.weight_norm(bn, dim=0),
+    "prune": lambda bn: torch.nn.utils.prune.l1_unstructured(bn, "weight", amount=0.5),
+    "weight_norm": lambda bn: torch.nn.utils.weight_norm(bn, dim=0),
+}
+
+
+@pytest.mark.filterwarnings("ignore:torch.nn.utils.weight_norm is deprecated")
+@pytest.mark.parametrize("transform", list(WEIGHT_TRANSFORMS))
+def test_keep_all_keeps_what_a_computed_weight_is_made_of(transform):
+    """A weight that torch computes from other tensors (parametrize, pruning, weight norm) comes out
+    FP32 from FP32 ones: a model cast under ``all`` runs without the shim too."""
+    _keep("all")
+    bn = WEIGHT_TRANSFORMS[transform](nn.BatchNorm2d(4)).half()
+    x = torch.randn(2, 4, 5, 5).half()
+    with shim_disabled():  # torch's own kernel: "expected scalar type Half but found Float" on a mix
+        out = bn(x)
+    assert out.dtype == torch.float16
+    assert bn.weight.dtype == bn.bias.dtype == bn.running_mean.dtype == torch.float32
 
 
 def test_keep_all_optimizer_still_updates_the_kept_parameters():

@@ -1,6 +1,7 @@
 """The settings: the table, the environment's parsing and validation (torch-free), and the Python API."""
 
 import inspect
+import os
 import subprocess
 import sys
 import typing
@@ -265,3 +266,45 @@ def test_configure_does_not_enable_the_shim_and_set_policy_goes_through_it():
     with pytest.raises(ValueError, match="^policy='fast' is not valid; allowed values: fp32, input, autocast, off$"):
         amp_bn_fix.set_policy("fast")  # type: ignore[arg-type]
 
+
+
+# Run in a fresh interpreter: threads that other tests leave behind (compile workers) may hold
+# locks of their own at a fork, which is no concern of the shim's.
+FORK_WHILE_HELD = """
+import os, signal, threading
+import torch
+import amp_bn_fix
+from amp_bn_fix import _record, _state
+
+held, release = threading.Event(), threading.Event()
+
+def holder():
+    with _state.lock, _record.lock:
+        held.set()
+        release.wait()
+
+thread = threading.Thread(target=holder)
+thread.start()
+assert held.wait(60)
+pid = os.fork()
+if pid == 0:  # the child: a hang ends it by SIGALRM
+    signal.alarm(30)
+    with amp_bn_fix.policy("input"):
+        amp_bn_fix.set_policy(amp_bn_fix.get_policy())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.nn.functional.batch_norm(torch.randn(4, 3).bfloat16(), None, None, training=True)
+    os._exit(0 if out.dtype is torch.bfloat16 and amp_bn_fix.report()["handled"] else 2)
+release.set()
+thread.join()
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_fork_while_another_thread_holds_the_locks_leaves_the_child_working():
+    """A DataLoader starts its workers by fork while another thread changes the settings or counts:
+    the child changes settings and counts calls of its own, as the parent does."""
+    result = subprocess.run([sys.executable, "-c", FORK_WHILE_HELD], env=child_env(), capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr

@@ -317,3 +317,31 @@ def test_an_input_of_other_channels_gets_torch_s_error_and_changes_nothing(both_
     assert torch.equal(bn.running_mean, kept[0]) and torch.equal(bn.running_var, kept[1])
     master = _master.peek(bn.running_mean, bn.running_var)
     assert (master is None) is (kept[2] is None) and (master is None or torch.equal(master, kept[2]))
+
+
+def test_disable_while_another_thread_frees_half_models():
+    # A master leaves when its buffers die, from a callback run in whichever thread frees them: at
+    # any moment of disable()'s own pass over the masters. Thread switches as often as possible.
+    import sys
+    import threading
+
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            models = [torch.nn.BatchNorm1d(2).half() for _ in range(50)]
+            del models
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(400):
+            amp_bn_fix.disable()
+            amp_bn_fix.enable()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+        amp_bn_fix.enable()

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -176,6 +177,22 @@ def test_a_summary_line_at_exit():
         "amp_bn_fix: calls handled: 1 fp32; passed through: 0; guard skips: 0")
 
 
+def test_a_reload_keeps_the_settings_and_the_one_summary_at_exit():
+    # IPython's autoreload, or a notebook's importlib.reload: the process's settings stay, and the
+    # exit summary is written once.
+    code = ("import importlib, torch, amp_bn_fix\n"
+            "amp_bn_fix.configure(policy='input', guard=False)\n"
+            "importlib.reload(amp_bn_fix); importlib.reload(amp_bn_fix)\n"
+            "config = amp_bn_fix.get_config()\n"
+            "assert (config.policy, config.guard) == ('input', False), config\n"
+            "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+            "    assert torch.nn.BatchNorm1d(4)(torch.randn(8, 4, dtype=torch.bfloat16)).dtype is torch.bfloat16\n")
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(AMP_BN_FIX_REPORT="1"), capture_output=True,
+                            text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines() == ["amp_bn_fix: calls handled: 1 input; passed through: 0; guard skips: 0"]
+
+
 def test_a_summary_names_the_rank_that_writes_it(monkeypatch):
     monkeypatch.setenv("RANK", "3")  # torchrun's, for a process without a process group yet
     assert _record.summary().startswith("amp_bn_fix (rank 3): calls handled:")
@@ -262,3 +279,63 @@ def test_flags_made_on_another_stream_are_summed_after_it(monkeypatch):
     more = [_FakeFlag()]
     _record._after_streams(streams, more)
     assert current.waited == ["side"] and more[0].used_on == []
+
+
+# --- threads ---------------------------------------------------------------------------------------
+
+
+def _in_threads(work, threads=8):
+    """Run ``work`` in ``threads`` threads at once, switching as often as the interpreter can;
+    returns what they raised."""
+    errors = []
+
+    def run():
+        try:
+            work()
+        except Exception as error:  # noqa: BLE001 - reported by the test
+            errors.append(repr(error))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        pool = [threading.Thread(target=run) for _ in range(threads)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    return errors
+
+
+@pytest.mark.parametrize("stats", ["fp32", "bf16 without a master"])
+def test_threads_with_running_stats_of_their_own_count_without_error(every_route, stats):
+    # nn.DataParallel's replicas: a thread per device, new buffer tensors at every forward, whose
+    # records die and are swept while other threads count theirs.
+    dtype = torch.float32 if stats == "fp32" else torch.bfloat16
+    x, weight = torch.randn(4, 3, dtype=torch.bfloat16), torch.ones(3)
+
+    def replica():
+        for _ in range(300):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                torch.nn.functional.batch_norm(x, torch.zeros(3, dtype=dtype), torch.ones(3, dtype=dtype), weight, None,
+                                               True, 0.1, 1e-5)
+
+    with amp_bn_fix.configure(keep_fp32="none"):
+        assert _in_threads(replica) == []
+    assert amp_bn_fix.report()["handled"] == {"fp32": 8 * 300}
+
+
+def test_calls_in_threads_are_each_counted():
+    x, running_mean, running_var = torch.randn(4, 3, dtype=torch.bfloat16), torch.zeros(3), torch.ones(3)
+    x32 = x.float()
+
+    def calls():
+        for _ in range(500):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                torch.nn.functional.batch_norm(x, running_mean, running_var, None, None, False, 0.1, 1e-5)
+            torch.nn.functional.batch_norm(x32, running_mean, running_var, None, None, False, 0.1, 1e-5)
+
+    assert _in_threads(calls) == []
+    report = amp_bn_fix.report()
+    assert (report["handled"], report["passed_through"]) == ({"fp32": 8 * 500}, 8 * 500)
