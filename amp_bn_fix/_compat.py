@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, ContextManager, Optional, Tuple
+from collections import OrderedDict
+from typing import Any, Callable, ContextManager, Optional, Tuple
 
 import torch
 import torch._guards
@@ -284,6 +285,19 @@ def to_copy(t: torch.Tensor, dtype: torch.dtype, eager: bool = False) -> torch.T
 
 
 _CONVERSIONS = {torch.float32: _Tensor.float, torch.float16: _Tensor.half, torch.bfloat16: _Tensor.bfloat16}
+
+
+def add_gradient_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> None:
+    """``tensor.register_hook(hook)`` for a non-leaf ``tensor`` with no hook yet, without the
+    removable handle, whose making is two thirds of its cost: the two steps of
+    ``Tensor.register_hook`` (``torch/_tensor.py``, torch 2.4 to 2.15), the hook dict set and
+    registered with the tensor's backward node. Hooks registered later join that dict, as there."""
+    tensor._backward_hooks = OrderedDict(((_HOOK_KEY, hook),))
+    tensor.grad_fn._register_hook_dict(tensor)
+
+
+# The hook's key in the dict: no handle takes it (theirs are integers).
+_HOOK_KEY = "amp_bn_fix"
 
 
 def foreach_copy(targets: Tuple[torch.Tensor, ...], sources: Tuple[torch.Tensor, ...]) -> None:

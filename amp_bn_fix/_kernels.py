@@ -32,7 +32,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from . import _state, _tuning
-from ._compat import LOW_PRECISION, is_batched, plain_eager
+from ._compat import LOW_PRECISION, add_gradient_hook, is_batched, plain_eager
 
 _aten = torch.ops.aten
 # ``F.batch_norm``'s eight arguments, in its order.
@@ -62,22 +62,16 @@ def mixed_batch_norm(original: Callable[..., torch.Tensor], layout: torch.memory
         # On CPU the mixed backward accumulates in FP32 only when the incoming gradient is laid out
         # as the input is; otherwise in the input's dtype (bfloat16 bias gradients off by ~1e-3).
         # A transpose, a mean over the batch or a channels_last op after BatchNorm hands it such a
-        # gradient: its backward node gets it in the input's layout (nothing is copied where it is).
-        out.grad_fn.register_prehook(_GRADIENT_IN[layout])
+        # gradient: the output's gradient is laid out as the input (nothing is copied where it is).
+        add_gradient_hook(out, _GRADIENT_IN[layout])
     return out
 
 
-def _gradient_in(layout: torch.memory_format) -> Callable[[Tuple[Optional[torch.Tensor], ...]], Any]:
-    """A pre-hook of a batch norm's backward node: the output's gradient (its first) in ``layout``.
+def _gradient_in(layout: torch.memory_format) -> Callable[[torch.Tensor], Optional[torch.Tensor]]:
+    """A gradient hook: the gradient in ``layout``."""
 
-    A node's pre-hook, not a tensor hook: the latter's registration costs half as much again.
-    """
-
-    def in_layout(grads: Tuple[Optional[torch.Tensor], ...]) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
-        grad = grads[0]
-        if grad is None or grad.is_contiguous(memory_format=layout):
-            return None
-        return (grad.contiguous(memory_format=layout), *grads[1:])
+    def in_layout(grad: torch.Tensor) -> Optional[torch.Tensor]:
+        return None if grad.is_contiguous(memory_format=layout) else grad.contiguous(memory_format=layout)
 
     return in_layout
 

@@ -231,6 +231,25 @@ def test_gradient_layouts_match_the_references(both_routes, dtype, policy, layou
     check_case(case, policy, dtype, both_routes)
 
 
+def test_the_output_takes_hooks_of_its_own_as_in_torch():
+    # The shim's gradient hook sits where Tensor.register_hook keeps hooks: a user's hook joins it,
+    # on that output alone, runs once per backward and can be removed.
+    amp_bn_fix.set_policy("input")
+    x = make_input(SHAPES["bn2d"], torch.bfloat16, "contiguous")
+    weight = torch.ones(CHANNELS, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first, second = (F.batch_norm(x, None, None, weight, None, True) for _ in range(2))
+    seen = []
+    handle = first.register_hook(lambda grad: seen.append(grad.is_contiguous()))
+    grad = output_gradient(first.shape, "permuted", torch.bfloat16)
+    first.backward(grad, retain_graph=True)
+    second.backward(grad)
+    assert seen == [True]  # the user's hook, on the first output only, after the shim's
+    handle.remove()
+    first.backward(grad)
+    assert seen == [True]
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("shape", [SHAPES["bn1d-3d"], SHAPES["bn1d-2d"]], ids=["bn1d-3d", "bn1d-2d"])
 @pytest.mark.parametrize("policy", POLICIES)
