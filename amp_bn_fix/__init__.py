@@ -30,7 +30,6 @@ A bad value makes the import raise ``ValueError``. :func:`configure` changes the
 
 # No ``from __future__ import annotations``: the annotations are evaluated here, so that help() and
 # typing.get_type_hints show the allowed values, and the typing names can leave the namespace (end).
-import atexit as _atexit
 import sys as _sys
 import warnings as _warnings
 from typing import Any, Dict, Iterable, Optional, Union
@@ -369,15 +368,15 @@ def _start() -> None:
             return  # the command reports it, and enables nothing
         raise
     _config.configure(config)
-    _state.started = True
     if report_at_exit:
-        _atexit.register(_record.print_summary)
+        _record.summary_at_exit()
     unknown = _settings.unknown_names()
     if unknown:
         # 3: the frame that imports amp_bn_fix (warnings skips the import system's own frames).
         _warnings.warn(f"amp_bn_fix: {_settings.describe_unknown(unknown)}", RuntimeWarning, stacklevel=3)
     if config.policy != "off":
         enable()
+    _state.started = True  # only now: an import that raised (a warning made an error) starts again
 
 
 _start()

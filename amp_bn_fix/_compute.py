@@ -152,15 +152,13 @@ def _mixed(s: Session) -> Any:
     if not (s.native and s.eager and plan.out_dtype is input.dtype):
         return NOT_THIS
     cpu = input.is_cpu
-    layout = _kernels.mixed_kernel_layout(input) if cpu else (
-        torch.preserve_format if device_type(input) in _MIXED_KERNEL_DEVICES else None)
-    if layout is None:
+    if not (_kernels.mixed_kernel_takes(input) if cpu else device_type(input) in _MIXED_KERNEL_DEVICES):
         return NOT_THIS
     _, _, _, weight, bias, training, momentum, eps = call
     if not plan.plain:  # a plain plan's are FP32 already
         weight, bias = to_fp32(weight, True), to_fp32(bias, True)
     call = (input, s.mean, s.var, weight, bias, training, momentum, eps)
-    return _kernels.mixed_batch_norm(s.original, layout, call) if cpu else s.original(*call)
+    return _kernels.mixed_batch_norm(s.original, call) if cpu else s.original(*call)
 
 
 def _fp32_route(s: Session) -> Any:

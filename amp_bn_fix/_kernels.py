@@ -46,11 +46,11 @@ _MIN_ROW = 32
 _MAX_ROW = 1024
 
 
-def mixed_batch_norm(original: Callable[..., torch.Tensor], layout: torch.memory_format, call: Call) -> torch.Tensor:
-    """A half-precision output computed in FP32 by the native mixed-dtype kernel on CPU.
+def mixed_batch_norm(original: Callable[..., torch.Tensor], call: Call) -> torch.Tensor:
+    """A half-precision output computed in FP32 by the native mixed-dtype kernel on CPU, for an
+    input :func:`mixed_kernel_takes`.
 
     ``original`` (``F.batch_norm``'s signature) validates ``call`` and raises its own errors.
-    ``layout`` is what :func:`mixed_kernel_layout` found for its input.
     """
     input, running_mean, running_var, weight, bias, training, momentum, eps = call
     if weight is None and bias is None and running_mean is None and running_var is None and input.dim() >= 2:
@@ -59,38 +59,38 @@ def mixed_batch_norm(original: Callable[..., torch.Tensor], layout: torch.memory
         weight = torch.ones(input.shape[1], dtype=torch.float32, device=input.device)
     out = original(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if out.requires_grad:
-        # On CPU the mixed backward accumulates in FP32 only when the incoming gradient is laid out
-        # as the input is; otherwise in the input's dtype (bfloat16 bias gradients off by ~1e-3).
-        # A transpose, a mean over the batch or a channels_last op after BatchNorm hands it such a
-        # gradient: the output's gradient is laid out as the input (nothing is copied where it is).
-        add_gradient_hook(out, _GRADIENT_IN[layout])
+        add_gradient_hook(out, _laid_out_as(input))
     return out
 
 
-def _gradient_in(layout: torch.memory_format) -> Callable[[torch.Tensor], Optional[torch.Tensor]]:
-    """A gradient hook: the gradient in ``layout``."""
+def _laid_out_as(input: torch.Tensor) -> Callable[[torch.Tensor], Optional[torch.Tensor]]:
+    """A hook that hands the output's gradient to the mixed kernel's backward laid out as ``input``.
 
-    def in_layout(grad: torch.Tensor) -> Optional[torch.Tensor]:
-        return None if grad.is_contiguous(memory_format=layout) else grad.contiguous(memory_format=layout)
-
-    return in_layout
-
-
-_GRADIENT_IN = {layout: _gradient_in(layout)
-                for layout in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)}
-
-
-def mixed_kernel_layout(input: torch.Tensor) -> Optional[torch.memory_format]:
-    """The memory format of ``input`` if the native mixed kernel computes it exactly, else None.
-
-    Contiguous and channels_last inputs qualify; other strided inputs take the reference path.
+    That backward accumulates in FP32 only where the gradient and the input suggest the same memory
+    format (``Normalization.cpp``); otherwise in the input's dtype (bfloat16 bias gradients off by
+    ~1e-3). A transpose, a mean over the batch, a flatten of 1x1 maps or a channels_last op after
+    BatchNorm hands it such a gradient. The same strides are the same format, whatever strides
+    the size-1 dimensions have; a gradient with them already is not copied. A batched gradient
+    (``is_grads_batched``) has no strides to ask for, and is left as it is.
     """
+    shape, strides = input.shape, input.stride()
+
+    def laid_out(grad: torch.Tensor) -> Optional[torch.Tensor]:
+        if is_batched(grad) or grad.stride() == strides:
+            return None
+        return torch.empty_strided(shape, strides, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+    return laid_out
+
+
+def mixed_kernel_takes(input: torch.Tensor) -> bool:
+    """Whether the native mixed kernel computes ``input`` exactly: contiguous and channels_last
+    inputs (other strided inputs take the reference path)."""
     if input.is_contiguous():
-        return torch.contiguous_format
-    for layout in (torch.channels_last, torch.channels_last_3d):
-        if input.dim() == (4 if layout is torch.channels_last else 5) and input.is_contiguous(memory_format=layout):
-            return layout
-    return None
+        return True
+    dim = input.dim()
+    return ((dim == 4 and input.is_contiguous(memory_format=torch.channels_last))
+            or (dim == 5 and input.is_contiguous(memory_format=torch.channels_last_3d)))
 
 
 def fp32_route(host: bool, call: Call) -> Optional[bool]:

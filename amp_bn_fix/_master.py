@@ -35,9 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 import torch
+import torch.nn.utils.prune
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from . import _guard, _record, _state, _tuning
 from ._compat import LOW_PRECISION, foreach_copy
@@ -233,7 +237,7 @@ def clear() -> None:
     # A copy of the items, and no error for a key gone since: a master's callback drops it when its
     # buffers die, in any thread, at any allocation.
     for key, master in list(_masters.items()):
-        if not master.captured:
+        if not master.captured and _masters.get(key) is master:
             _masters.pop(key, None)
 
 
@@ -247,23 +251,36 @@ def _stats_of(module: torch.nn.Module) -> Tuple[Optional[torch.Tensor], Optional
     return module._buffers.get("running_mean"), module._buffers.get("running_var")
 
 
-# What torch computes a weight or bias from, besides the parameter itself: pruning's ``{name}_orig``
-# (``torch.nn.utils.prune``) and weight norm's ``{name}_g`` and ``{name}_v`` (``torch.nn.utils.weight_norm``).
-_SOURCE_SUFFIXES = ("", "_orig", "_g", "_v")
+# The forward pre-hooks that compute a parameter from tensors of the module's own, by the hook's
+# type: its attribute naming the parameter, and the suffixes of the tensors it reads
+# (``torch.nn.utils.weight_norm``: ``{name}_g``, ``{name}_v``; ``prune``: ``{name}_orig``;
+# ``spectral_norm``: ``{name}_orig`` and its power iteration's ``{name}_u``, ``{name}_v``).
+_COMPUTING_HOOKS = ((WeightNorm, "name", ("_g", "_v")), (BasePruningMethod, "_tensor_name", ("_orig",)),
+                    (SpectralNorm, "name", ("_orig", "_u", "_v")))
+
+
+def _sources(module: torch.nn.Module, name: str) -> List[torch.Tensor]:
+    """What ``module``'s parameter ``name`` is when it runs: the parameter itself, or the tensors
+    torch computes it from (a parametrization's originals and buffers, a computing hook's tensors)."""
+    found = [module._parameters.get(name)]
+    parametrizations = module._modules.get("parametrizations")
+    if parametrizations is not None and name in parametrizations:
+        found += [*parametrizations[name].parameters(), *parametrizations[name].buffers()]
+    for hook in module._forward_pre_hooks.values():
+        for kind, attribute, suffixes in _COMPUTING_HOOKS:
+            if isinstance(hook, kind) and getattr(hook, attribute, None) == name:
+                found += [module._parameters.get(name + suffix, module._buffers.get(name + suffix))
+                          for suffix in suffixes]
+    return [t for t in found if t is not None]
 
 
 def _kept_ids(module: torch.nn.Module, keep: str) -> Set[int]:
     """The ids of the tensors of ``module`` that must not become 16-bit: its running stats, and under
-    ``all`` its weight and bias, or what torch computes them from (pruning's and weight norm's
-    parameters, a parametrization's originals) with their gradients."""
+    ``all`` what its weight and bias are (:func:`_sources`), with their gradients."""
     tensors = list(_stats_of(module))
     if keep == "all":
-        parametrizations = module._modules.get("parametrizations")
         for name in _AFFINE:
-            params = [module._parameters.get(name + suffix) for suffix in _SOURCE_SUFFIXES]
-            if parametrizations is not None and name in parametrizations:
-                params += parametrizations[name].parameters()
-            tensors += [t for param in params if param is not None for t in (param, param.grad)]
+            tensors += [t for source in _sources(module, name) for t in (source, source.grad)]
     return {id(t) for t in tensors if t is not None}
 
 

@@ -23,6 +23,7 @@ record per device.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -345,6 +346,18 @@ def _rank() -> Optional[str]:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return str(dist.get_rank())
     return os.environ.get("RANK")
+
+
+def summary_at_exit() -> None:
+    """Write :func:`summary` to stderr at exit (``AMP_BN_FIX_REPORT=1``), once however often asked."""
+    global _summary_registered
+    with lock:
+        if not _summary_registered:
+            atexit.register(print_summary)
+            _summary_registered = True
+
+
+_summary_registered = False
 
 
 def print_summary() -> None:

@@ -200,11 +200,28 @@ def _parametrized(bn):
     return bn
 
 
+def _parametrized_bias(bn):
+    torch.nn.utils.parametrize.register_parametrization(bn, "bias", _Abs())
+    return bn
+
+
+class _OwnWeightG(nn.BatchNorm2d):
+    """A subclass with a parameter of its own named like weight norm's: nothing computes from it."""
+
+    def __init__(self, channels):
+        super().__init__(channels)
+        self.weight_g = nn.Parameter(torch.ones(channels))
+
+
 WEIGHT_TRANSFORMS = {
     "parametrize": _parametrized,
+    "parametrize bias": _parametrized_bias,
     "parametrizations.weight_norm": lambda bn: torch.nn.utils.parametrizations.weight_norm(bn, dim=0),
+    "parametrizations.spectral_norm": lambda bn: torch.nn.utils.parametrizations.spectral_norm(bn),
     "prune": lambda bn: torch.nn.utils.prune.l1_unstructured(bn, "weight", amount=0.5),
     "weight_norm": lambda bn: torch.nn.utils.weight_norm(bn, dim=0),
+    "spectral_norm": lambda bn: torch.nn.utils.spectral_norm(bn),
+    "a parameter named weight_g": lambda bn: _OwnWeightG(4),
 }
 
 
@@ -217,9 +234,12 @@ def test_keep_all_keeps_what_a_computed_weight_is_made_of(transform):
     bn = WEIGHT_TRANSFORMS[transform](nn.BatchNorm2d(4)).half()
     x = torch.randn(2, 4, 5, 5).half()
     with shim_disabled():  # torch's own kernel: "expected scalar type Half but found Float" on a mix
-        out = bn(x)
+        bn.train()(x)
+        out = bn.eval()(x)
     assert out.dtype == torch.float16
     assert bn.weight.dtype == bn.bias.dtype == bn.running_mean.dtype == torch.float32
+    if transform == "a parameter named weight_g":
+        assert bn.weight_g.dtype == torch.float16  # cast as torch casts it
 
 
 def test_keep_all_optimizer_still_updates_the_kept_parameters():

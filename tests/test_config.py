@@ -308,3 +308,27 @@ def test_a_fork_while_another_thread_holds_the_locks_leaves_the_child_working():
     result = subprocess.run([sys.executable, "-c", FORK_WHILE_HELD], env=child_env(), capture_output=True, text=True,
                             timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr
+
+
+def test_an_import_that_raised_starts_again_at_the_next_import():
+    """``import amp_bn_fix`` under ``-W error`` with a misspelled variable raises; the next import
+    (the user's own, after a start-up hook's failed one) raises again rather than leave the shim
+    silently off, and once it succeeds the shim is on."""
+    code = (
+        "import warnings\n"
+        "import torch\n"
+        "warnings.simplefilter('error', RuntimeWarning)\n"
+        "for attempt in range(2):\n"
+        "    try:\n"
+        "        import amp_bn_fix\n"
+        "    except RuntimeWarning as warning:\n"
+        "        assert 'AMP_BN_FIX_POLCY' in str(warning), warning\n"
+        "    else:\n"
+        "        raise SystemExit(f'import {attempt} did not raise')\n"
+        "warnings.simplefilter('ignore', RuntimeWarning)\n"
+        "import amp_bn_fix\n"
+        "assert amp_bn_fix.is_enabled()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(AMP_BN_FIX_POLCY="input"), capture_output=True,
+                            text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr

@@ -59,22 +59,31 @@ def make_input(shape, dtype: torch.dtype, layout: str, seed: int = 0) -> torch.T
         wide = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 3 + 5
         return wide.to(dtype)[..., ::2]
     x = (torch.randn(*shape, generator=g) * 3 + 5).to(dtype)
-    if layout == "channels_last":
-        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-        x = x.contiguous(memory_format=fmt)
-    return x
+    return channels_last(x) if layout == "channels_last" else x
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with channels_last strides, as a channels_last op writes them: also where the shape
+    makes them ambiguous (1x1 maps, one channel), which ``contiguous(memory_format=...)`` leaves."""
+    _, channels, *spatial = t.shape
+    strides, step = [], channels
+    for size in reversed(spatial):
+        strides.insert(0, step)
+        step *= size
+    return torch.empty_strided(t.shape, (step, 1, *strides), dtype=t.dtype).copy_(t)
 
 
 def make_case(shape, dtype, layout, training, affine, stats, param_dtype=torch.float32) -> Case:
     g = torch.Generator().manual_seed(1)
     x = make_input(shape, dtype, layout).requires_grad_()
+    channels = shape[1]
     weight = bias = running_mean = running_var = None
     if affine:
-        weight = (torch.rand(CHANNELS, generator=g) + 0.5).to(param_dtype).requires_grad_()
-        bias = torch.randn(CHANNELS, generator=g).to(param_dtype).requires_grad_()
+        weight = (torch.rand(channels, generator=g) + 0.5).to(param_dtype).requires_grad_()
+        bias = torch.randn(channels, generator=g).to(param_dtype).requires_grad_()
     if stats:
-        running_mean = torch.randn(CHANNELS, generator=g) + 5
-        running_var = torch.rand(CHANNELS, generator=g) * 9 + 1
+        running_mean = torch.randn(channels, generator=g) + 5
+        running_var = torch.rand(channels, generator=g) * 9 + 1
     return Case(x, running_mean, running_var, weight, bias, training)
 
 
@@ -107,9 +116,7 @@ def output_gradient(shape, layout: str, dtype: torch.dtype) -> torch.Tensor:
     if layout == "permuted":
         return torch.randn(tuple(reversed(shape)), generator=g).to(dtype).permute(*reversed(range(len(shape))))
     grad = torch.randn(shape, generator=g).to(dtype)
-    if layout == "channels_last":
-        grad = grad.contiguous(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
-    return grad
+    return channels_last(grad) if layout == "channels_last" else grad
 
 
 def shim(case: Case, autocast_dtype: Optional[torch.dtype]):
@@ -161,7 +168,7 @@ def check_case(case: Case, policy: str, autocast_dtype: Optional[torch.dtype], r
         return ORIGINAL(*args).to(out_dtype)
 
     simple = run(case, simple_fn, cast=fp32, grad_dtype=out_dtype)
-    n = max(case.x.numel() // CHANNELS, 1)
+    n = max(case.x.numel() // case.x.shape[1], 1)
 
     def check(actual, simple_actual, exact, what):
         assert actual.dtype is simple_actual.dtype
@@ -215,20 +222,48 @@ def test_memory_layouts_match_the_references(both_routes, dtype, policy, layout,
     check_case(case, policy, dtype, both_routes)
 
 
-# Torch's CPU mixed-dtype backward sums in the input's dtype when the gradient is laid out otherwise
-# than the input: every pairing of the two, on the shapes whose channels_last differs from contiguous.
+# Torch's CPU mixed-dtype backward sums in the input's dtype when the gradient suggests another
+# memory format than the input: each kind of gradient an op after BatchNorm leaves, against each
+# input layout, and the shapes where contiguous and channels_last strides differ only in size-1
+# dimensions (a flatten after AdaptiveAvgPool2d(1) in a channels_last net; one channel).
+GRADIENT_LAYOUTS = {
+    "contiguous-channels_last": ((4, CHANNELS, 16, 16), "contiguous", "channels_last", True),
+    "contiguous-permuted": ((4, CHANNELS, 16, 16), "contiguous", "permuted", True),
+    "contiguous-expanded": ((4, CHANNELS, 16, 16), "contiguous", "expanded", True),
+    "channels_last-contiguous": ((4, CHANNELS, 16, 16), "channels_last", "contiguous", True),
+    "channels_last-permuted-eval": ((4, CHANNELS, 16, 16), "channels_last", "permuted", False),
+    "3d-contiguous-channels_last": ((2, CHANNELS, 3, 4, 4), "contiguous", "channels_last", True),
+    "3d-channels_last-expanded": ((2, CHANNELS, 3, 4, 4), "channels_last", "expanded", True),
+    "1x1-channels_last-contiguous": ((16, CHANNELS, 1, 1), "channels_last", "contiguous", True),
+    "1x1-contiguous-channels_last-eval": ((16, CHANNELS, 1, 1), "contiguous", "channels_last", False),
+    "one-channel-channels_last-contiguous": ((4, 1, 8, 8), "channels_last", "contiguous", True),
+}
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("layout, grad_layout", [
-    ("contiguous", "channels_last"), ("contiguous", "permuted"), ("contiguous", "expanded"),
-    ("channels_last", "contiguous"), ("channels_last", "permuted"), ("channels_last", "expanded"),
-])
-@pytest.mark.parametrize("shape", [SHAPES["bn2d"], SHAPES["bn3d"]], ids=["bn2d", "bn3d"])
-@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_gradient_layouts_match_the_references(both_routes, dtype, policy, layout, grad_layout, shape, training):
+@pytest.mark.parametrize("shape, layout, grad_layout, training", list(GRADIENT_LAYOUTS.values()),
+                         ids=list(GRADIENT_LAYOUTS))
+def test_gradient_layouts_match_the_references(both_routes, dtype, policy, shape, layout, grad_layout, training):
     case = make_case(shape, dtype, layout, training, affine=True, stats=True)
     case.grad_layout = grad_layout
     check_case(case, policy, dtype, both_routes)
+
+
+@pytest.mark.parametrize("policy", ["input", "autocast"])
+def test_batched_gradients_of_a_channels_last_input(both_routes, policy):
+    # is_grads_batched (torch.autograd.functional.jacobian's vectorize=True) runs the backward under
+    # vmap: the gradient-layout hook leaves a batched gradient as it is.
+    amp_bn_fix.set_policy(policy)
+    case = make_case((4, CHANNELS, 5, 5), torch.bfloat16, "channels_last", True, affine=True, stats=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.batch_norm(case.x, None, None, case.weight, case.bias, True)
+    grads = torch.randn(3, *out.shape, generator=torch.Generator().manual_seed(6)).to(out.dtype)
+    batched = torch.autograd.grad(out, case.leaves(), grads, is_grads_batched=True, retain_graph=True)
+    looped = [torch.stack(g) for g in zip(*(torch.autograd.grad(out, case.leaves(), grad, retain_graph=True)
+                                            for grad in grads))]
+    for one, other in zip(batched, looped):
+        assert_within(one, other, rounding_bound(other.abs().max().item(), {torch.bfloat16: 8}))
 
 
 def test_the_output_takes_hooks_of_its_own_as_in_torch():
