@@ -93,17 +93,36 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def run_torchrun():
-    """``subprocess.run`` for a torchrun job, once more if a worker died of SIGABRT.
+    """``subprocess.run`` for a torchrun job, once more if a worker died of SIGABRT or the job hung.
 
-    gloo can abort a rank while the process group tears down on a loaded machine (a torch/gloo
-    shutdown race, not this package); a real failure fails the second attempt too.
+    gloo can abort a rank, or leave one waiting for ever in ``destroy_process_group`` (seen with
+    torch 2.4), while the process group tears down (a torch/gloo shutdown race, not this package);
+    a real failure fails the second attempt too. Each attempt has half the time, and a hung one is
+    killed with its whole process group (torchrun and its workers), leaving nothing behind.
     """
+    import os
+    import signal
     import subprocess
 
-    def run(command, **kwargs):
-        result = subprocess.run(command, **kwargs)
+    def attempt(command, timeout, capture_output=False, **kwargs):
+        if capture_output:
+            kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        process = subprocess.Popen(command, start_new_session=True, **kwargs)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+        return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+    def run(command, timeout, **kwargs):
+        try:
+            result = attempt(command, timeout / 2, **kwargs)
+        except subprocess.TimeoutExpired:
+            return attempt(command, timeout / 2, **kwargs)
         if result.returncode != 0 and "SIGABRT" in (result.stderr or ""):
-            result = subprocess.run(command, **kwargs)
+            result = attempt(command, timeout / 2, **kwargs)
         return result
 
     return run
