@@ -27,12 +27,13 @@ import atexit
 import contextlib
 import os
 import sys
-import threading
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
+
+from . import _state
 
 
 class _Counts:
@@ -46,23 +47,6 @@ class _Counts:
 
 
 counts = _Counts()
-# Held by every change of the counts and the records below, and by their readers: threads count
-# calls at once (nn.DataParallel's replicas, one per device, each with running stats of its own),
-# and a sweep's folds run torch ops that let other threads in half-way. Reentrant: a fold may
-# free a tensor whose weak-reference callback counts. Apart from ``_state.lock`` (the settings and
-# the patches): counting never waits for a settings change.
-lock = threading.RLock()
-
-
-def _new_lock_in_child() -> None:
-    # A fork (DataLoader workers) copies the lock as it is: held, if another thread was counting.
-    global lock
-    lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_new_lock_in_child)
-
 # The device route's decisions are kept as they come and summed every this many: one stack and
 # one sum on the device per _FOLD calls, instead of an add per call.
 _FOLD = 64
@@ -160,19 +144,19 @@ def _after_streams(streams: Set[Any], tensors: List[torch.Tensor]) -> None:
 
 
 def passed() -> None:
-    with lock:
+    with _state.record_lock:
         counts.passed += 1
 
 
 def handled(counted_as: str) -> None:
-    with lock:
+    with _state.record_lock:
         counts.handled[counted_as] = counts.handled.get(counted_as, 0) + 1
         # capturing(), written out: a Python frame less on every handled call.
         if _cuda._initialized and _cuda.is_current_stream_capturing():
             counts.captured[counted_as] = counts.captured.get(counted_as, 0) + 1
 
 
-# The records' helpers below run with ``lock`` held by their callers.
+# The records' helpers below run with ``_state.record_lock`` held by their callers.
 
 
 def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
@@ -192,7 +176,7 @@ def holding(running_mean: torch.Tensor) -> Iterator[None]:
     """Within the block, the record of ``running_mean`` (if any) holds it without a weak reference,
     and takes one again after: torch's swap of a tensor's contents (``torch.utils.swap_tensors``)
     refuses a tensor that has one."""
-    with lock:
+    with _state.record_lock:
         record = _guard.get(id(running_mean))
         if record is None or record.ref() is not running_mean:
             record = None
@@ -204,7 +188,7 @@ def holding(running_mean: torch.Tensor) -> Iterator[None]:
     try:
         yield
     finally:
-        with lock:
+        with _state.record_lock:
             record.ref = weakref.ref(running_mean)
 
 
@@ -240,7 +224,7 @@ def _sweep() -> None:
 
 def skipped(running_mean: torch.Tensor) -> None:
     """The guard, deciding on the host, left ``running_mean`` (and its variance) as they were."""
-    with lock:
+    with _state.record_lock:
         record = _record_of(running_mean)
         record.host_skips += 1
     _warn_first_skip(running_mean, record)
@@ -255,7 +239,7 @@ def checked_on_device(running_mean: torch.Tensor, finite: torch.Tensor) -> None:
     """
     if capturing():
         return
-    with lock:
+    with _state.record_lock:
         record = _record_of(running_mean)
         record.device_checks += 1
         record.device_flags.append(finite)
@@ -272,7 +256,7 @@ def _label(running_mean: torch.Tensor) -> str:
 
 def _warn_first_skip(running_mean: torch.Tensor, record: _GuardRecord) -> None:
     global _warned
-    with lock:
+    with _state.record_lock:
         if _warned:
             return
         _warned = True
@@ -307,7 +291,7 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
         names = {id(m.running_mean): name or type(m).__name__ for name, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.running_mean is not None}
     skips: Dict[str, int] = {}
-    with lock:
+    with _state.record_lock:
         _retire_dead()
         for key, record in [*((None, r) for r in _deleted.values()), *_guard.items()]:
             stat = record.ref()
@@ -351,7 +335,7 @@ def _rank() -> Optional[str]:
 def summary_at_exit() -> None:
     """Write :func:`summary` to stderr at exit (``AMP_BN_FIX_REPORT=1``), once however often asked."""
     global _summary_registered
-    with lock:
+    with _state.record_lock:
         if not _summary_registered:
             atexit.register(print_summary)
             _summary_registered = True
@@ -370,7 +354,7 @@ def print_summary() -> None:
 
 def reset() -> None:
     global _warned
-    with lock:
+    with _state.record_lock:
         counts.passed = 0
         counts.handled.clear()
         counts.captured.clear()

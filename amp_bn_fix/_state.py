@@ -2,7 +2,8 @@
 
 Below every other module of the package (it imports none of them), so each door, the plan and the
 public API share one copy. Writers of the process-wide state: ``_config`` (the settings), ``_patch``
-(whether the patches are in place) and ``testing`` (the device route), each holding :data:`lock`.
+(whether the patches are in place) and ``testing`` (the device route), each holding :data:`lock`;
+``_record`` changes its counts and guard records holding :data:`record_lock`.
 The scopes belong to a context, and change only through :func:`swap_scopes` and
 :func:`restore_scopes` (``_config``, ``_checkpoint``).
 """
@@ -18,20 +19,26 @@ from _amp_bn_fix_boot.settings import Config
 
 # Held by every writer of the process-wide state below (installing and removing the patches, the
 # settings, the device route) and by the registration of the device route's CPU stand-in op
-# (``_kernels``): one at a time. Reentrant: a read-change-write of the settings holds
-# it around the write, which takes it too.
+# (``_kernels``): one at a time. Reentrant: a read-change-write of the settings holds it around the
+# write, which takes it too.
 lock = threading.RLock()
+# Held by every change of ``_record``'s counts and guard records, and by their readers: threads
+# count calls at once (nn.DataParallel's replicas, one per device, each with running stats of its
+# own), and a sweep's folds run torch ops that let other threads in half-way. Reentrant: a fold
+# may free a tensor whose weak-reference callback counts. Apart from ``lock``: counting never
+# waits for a settings change.
+record_lock = threading.RLock()
 
 
-def _new_lock_in_child() -> None:
-    # A fork (DataLoader workers) copies the lock as it is: held, if another thread was changing the
-    # settings then (they are replaced whole, so the child's are whole too).
-    global lock
-    lock = threading.RLock()
+def _new_locks_in_child() -> None:
+    # A fork (DataLoader workers) copies the locks as they are: held, if another thread was changing
+    # the settings (they are replaced whole, so the child's are whole too) or counting then.
+    global lock, record_lock
+    lock, record_lock = threading.RLock(), threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_new_lock_in_child)
+    os.register_at_fork(after_in_child=_new_locks_in_child)
 
 # The settings in force: replaced whole (one assignment, so a reader sees old or new), never changed.
 config = Config()

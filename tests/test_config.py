@@ -274,12 +274,12 @@ FORK_WHILE_HELD = """
 import os, signal, threading
 import torch
 import amp_bn_fix
-from amp_bn_fix import _record, _state
+from amp_bn_fix import _state
 
 held, release = threading.Event(), threading.Event()
 
 def holder():
-    with _state.lock, _record.lock:
+    with _state.lock, _state.record_lock:
         held.set()
         release.wait()
 
