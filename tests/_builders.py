@@ -55,9 +55,19 @@ def seeded_input(shape: Sequence[int], dtype: torch.dtype, seed: Seed = 1, scale
     """``randn(shape) * scale + shift`` drawn with ``seed`` (as for :func:`batch_norm`), rounded once to
     ``dtype``, ``"contiguous"`` or ``"channels_last"`` (``channels_last_3d`` for a 5-d shape)."""
     x = (torch.randn(shape, generator=_generator(seed)) * scale + shift).to(dtype)
-    if layout == "channels_last":
-        x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
-    return x
+    return channels_last(x) if layout == "channels_last" else x
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with channels_last strides (``channels_last_3d`` for 5 dimensions), as a channels_last op
+    writes them: also where the shape makes them ambiguous (1x1 maps, one channel), which
+    ``contiguous(memory_format=...)`` leaves as they are."""
+    _, channels, *spatial = t.shape
+    strides, step = [], channels
+    for size in reversed(spatial):
+        strides.insert(0, step)
+        step *= size
+    return torch.empty_strided(t.shape, (step, 1, *strides), dtype=t.dtype).copy_(t)
 
 
 class Fp64(NamedTuple):

@@ -23,7 +23,7 @@ from amp_bn_fix.testing import count_kernels
 
 from _bounds import (assert_near, assert_no_less_accurate, assert_within, batch_norm_scales, fp32_bound,
                      rounding_bound)
-from _builders import fp64_batch_norm
+from _builders import channels_last, fp64_batch_norm
 from _shared import ORIGINAL, compare_outcomes, outcome
 
 HALF = [torch.float16, torch.bfloat16]
@@ -60,17 +60,6 @@ def make_input(shape, dtype: torch.dtype, layout: str, seed: int = 0) -> torch.T
         return wide.to(dtype)[..., ::2]
     x = (torch.randn(*shape, generator=g) * 3 + 5).to(dtype)
     return channels_last(x) if layout == "channels_last" else x
-
-
-def channels_last(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with channels_last strides, as a channels_last op writes them: also where the shape
-    makes them ambiguous (1x1 maps, one channel), which ``contiguous(memory_format=...)`` leaves."""
-    _, channels, *spatial = t.shape
-    strides, step = [], channels
-    for size in reversed(spatial):
-        strides.insert(0, step)
-        step *= size
-    return torch.empty_strided(t.shape, (step, 1, *strides), dtype=t.dtype).copy_(t)
 
 
 def make_case(shape, dtype, layout, training, affine, stats, param_dtype=torch.float32) -> Case:
