@@ -98,9 +98,10 @@ def run_torchrun():
     gloo can abort a rank, or leave one waiting for ever in ``destroy_process_group`` (seen with
     torch 2.4), while the process group tears down (a torch/gloo shutdown race, not this package);
     a real failure fails the second attempt too. Each attempt has half the time, and a hung one is
-    killed with its whole process group (torchrun and its workers), leaving nothing behind.
+    killed with every process under it, leaving nothing behind: torchrun starts each worker in a
+    session of its own, so killing the job's process group alone would leave the workers running
+    and holding the output pipes open, and reading them would wait for ever.
     """
-    import os
     import signal
     import subprocess
 
@@ -111,7 +112,11 @@ def run_torchrun():
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            doomed = _descendants(process.pid)  # listed before any dies and is reparented
             os.killpg(process.pid, signal.SIGKILL)
+            for pid in doomed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             process.communicate()
             raise
         return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
@@ -126,3 +131,22 @@ def run_torchrun():
         return result
 
     return run
+
+
+def _descendants(pid):
+    """The pids of every process under ``pid``, from Linux's ``/proc`` (none where it has none)."""
+    children = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if entry.name.isdigit():
+            try:
+                with open(os.path.join(entry.path, "stat")) as stat:
+                    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the process ended while being read
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        found.extend(todo)
+        todo = [child for parent in todo for child in children.get(parent, ())]
+    return found[1:]
