@@ -255,9 +255,10 @@ def _start_ranks(out, route):
     ]
 
 
-def _finish_ranks(procs):
-    """Each rank's return code and output; every rank is killed past the deadline."""
-    deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+def _finish_ranks(procs, timeout):
+    """Each rank's return code and output; past ``timeout`` s every rank still running is killed,
+    and has the code None."""
+    deadline = time.monotonic() + timeout
     results = []
     for proc in procs:
         try:
@@ -265,8 +266,7 @@ def _finish_ranks(procs):
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
-            output, _ = proc.communicate()
-            pytest.fail(f"a SyncBatchNorm rank ran past {SUBPROCESS_TIMEOUT} s:\n{output[-4000:]}")
+            return results + [(None, other.communicate()[0]) for other in procs[len(results):]]
         results.append((proc.returncode, output))
     return results
 
@@ -275,12 +275,13 @@ def _finish_ranks(procs):
 def ranks(request, tmp_path_factory):
     """Every rank's record of tests/sync_worker.py's scenarios on one route (one run of the pair, shared)."""
     out = tmp_path_factory.mktemp(f"sync-ranks-{request.param}")
-    results = _finish_ranks(_start_ranks(out, request.param))
-    # gloo can abort a rank while the group tears down on a loaded machine (see conftest's run_torchrun).
-    if any(code == -signal.SIGABRT for code, _ in results):
-        results = _finish_ranks(_start_ranks(out, request.param))
+    # gloo can abort a rank, or leave one waiting for ever, while the group tears down on a loaded
+    # machine (see conftest's run_torchrun): the pair runs once more then, each time with half the time.
+    results = _finish_ranks(_start_ranks(out, request.param), SUBPROCESS_TIMEOUT / 2)
+    if any(code is None or code == -signal.SIGABRT for code, _ in results):
+        results = _finish_ranks(_start_ranks(out, request.param), SUBPROCESS_TIMEOUT / 2)
     for rank, (code, output) in enumerate(results):
-        assert code == 0, f"rank {rank} exited with {code}:\n{output[-6000:]}"
+        assert code == 0, f"rank {rank} exited with {code} (None: ran past {SUBPROCESS_TIMEOUT / 2} s):\n{output[-6000:]}"
     records = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(RANKS)]
     for rank, record in enumerate(records):
         assert record["rank"] == rank and record["route"] == request.param
