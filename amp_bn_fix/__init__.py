@@ -24,7 +24,8 @@ Example::
 
 The environment picks the settings at import: ``AMP_BN_FIX_POLICY`` (``fp32``, ``input``,
 ``autocast``, ``off``), ``AMP_BN_FIX_DEVICES`` (``all`` or a comma list such as ``cuda,cpu``),
-``AMP_BN_FIX_GUARD`` (``1``/``0``) and ``AMP_BN_FIX_KEEP_FP32`` (``all``, ``stats``, ``none``).
+``AMP_BN_FIX_GUARD`` (``1``/``0``) and ``AMP_BN_FIX_KEEP_FP32`` (``master``, ``all``,
+``stats``, ``none``).
 A bad value makes the import raise ``ValueError``. :func:`configure` changes them at run time.
 """
 
