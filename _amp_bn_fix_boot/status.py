@@ -7,6 +7,7 @@ to a program. ``amp-bn-fix check`` reports them too.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import site
@@ -39,13 +40,15 @@ class StartupStatus(NamedTuple):
         return self.requested and not self.problems and not self.policy_off
 
 
-def shadowing_folder() -> Optional[str]:
-    """The folder that ``import amp_bn_fix`` would take for the package, if it is not the package.
+def shadowing_folder(path: Optional[List[str]] = None) -> Optional[str]:
+    """The folder that ``import amp_bn_fix`` takes for the package, if it is not the package: in
+    this process (``path`` None), or at the first import of a process whose search path is ``path``.
 
-    A folder named ``amp_bn_fix`` without an ``__init__.py`` on ``sys.path`` (a clone of that name
-    seen from its parent, the working directory) imports as an empty namespace package.
+    A folder named ``amp_bn_fix`` without an ``__init__.py`` on the search path (a clone of that
+    name seen from its parent, the working directory) imports as an empty namespace package: the
+    path finder comes before the finder an editable install adds.
     """
-    spec = importlib.util.find_spec(PACKAGE)
+    spec = importlib.util.find_spec(PACKAGE) if path is None else importlib.machinery.PathFinder.find_spec(PACKAGE, path)
     if spec is None or spec.origin not in (None, "namespace"):
         return None
     locations = list(spec.submodule_search_locations or [])
@@ -86,7 +89,9 @@ def gather(environ: Optional[dict] = None) -> StartupStatus:
             f"--target, or copied): reinstall it with {sys.executable} -m pip, or start the program "
             "with amp-bn-fix run"
         )
-    folder = shadowing_folder()
+    # A process started here with ``-c`` or ``-m`` searches the working directory first; this one may
+    # be a console script (its own folder first) that has imported the package already.
+    folder = shadowing_folder([os.getcwd(), *sys.path[1:]])
     if folder is not None:
         problems.append(describe_shadowing(folder))
     return StartupStatus(files, bootstrap, environ.get(ENV_ENABLE), requested, switch_readable,

@@ -141,6 +141,25 @@ def test_check_fails_where_the_hook_is_not_in_a_site_directory(tmp_path, monkeyp
     assert "installed   no (not in a site directory of this interpreter)" in out
 
 
+def test_check_run_as_a_console_script_sees_a_shadowing_folder_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    # ``amp-bn-fix check`` has its own folder first on sys.path, and has imported the package: a
+    # fresh ``python`` started here searches the working directory first, and gets the empty folder.
+    # (The package is found as an installed one would be: not through a folder on sys.path, as the
+    # source tree is in this test run.)
+    (tmp_path / "amp_bn_fix").mkdir()
+    monkeypatch.chdir(tmp_path)
+    source_tree = os.path.dirname(os.path.dirname(amp_bn_fix.__file__))
+    installed = [p for p in sys.path[1:] if p and os.path.abspath(p) != source_tree]
+    monkeypatch.setattr(sys, "path", [os.path.dirname(sys.executable), *installed])
+    monkeypatch.setenv("AMP_BN_FIX", "1")
+    monkeypatch.setattr(_check, "fresh_interpreter", lambda: _check.FreshInterpreter(False, []))
+    code, out = check(capsys)
+    summary = [line.strip() for line in out.splitlines() if line.strip().startswith("amp_bn_fix:")]
+    assert code == 1
+    assert summary == [f"amp_bn_fix: not enabled at import torch: the folder {tmp_path / 'amp_bn_fix'} shadows "
+                       "the installed amp_bn_fix package (it has no __init__.py): run from another directory, or rename it"]
+
+
 def test_without_amp_bn_fix_set_a_hook_outside_the_site_directories_is_said_not_a_failure(tmp_path, monkeypatch, capsys):
     # pip install --target DIR, and nothing asks for the shim: import amp_bn_fix works, check passes.
     from _amp_bn_fix_boot import status
