@@ -70,7 +70,7 @@ def _option_type(setting: settings.Setting) -> Callable[[str], str]:
 
     def convert(value: str) -> str:
         try:
-            return setting.spell(setting.parse(value, str(setting.option)))
+            return setting.spell(setting.parse_given(value, str(setting.option)))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{value!r} is not valid; allowed values: {setting.allowed}") from None
 
@@ -218,7 +218,7 @@ def environment(base: Optional[Mapping[str, str]] = None, **given: Union[str, bo
         if setting is None or setting.option is None:
             raise TypeError(f"environment() got an unexpected setting {name!r}")
         if value is not None:
-            env[setting.env] = setting.spell(setting.parse(value, str(setting.option)))
+            env[setting.env] = setting.spell(setting.parse_given(value, str(setting.option)))
     bad = settings.problems(env)
     if bad:
         raise ValueError("\n".join(bad))

@@ -116,6 +116,14 @@ class Setting:
     scope: str = "config"
     switch: bool = False  # ``run`` takes it as a bare option that sets it to 1
 
+    def parse_given(self, value: object, what: str) -> Any:
+        """A value given in code or on ``run``'s command line, parsed. A blank string is not a value
+        there (leaving the setting out is), as it is in the environment, where it means the default:
+        ``guard=""`` would otherwise read as the off word it is for ``AMP_BN_FIX``."""
+        if isinstance(value, str) and not value.strip():
+            raise _invalid(what, value, self.allowed)
+        return self.parse(value, what)
+
     @property
     def option(self) -> Optional[str]:
         """``amp-bn-fix run``'s option for it; None for the hook's switch, which ``run`` always sets."""

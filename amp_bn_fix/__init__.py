@@ -274,7 +274,7 @@ def configure(
     given = locals()  # the arguments: one per setting of the settings table (a test pins the signature)
     # Every value is checked before any is applied: a bad one changes nothing.
     changes = {
-        name: _settings.BY_NAME[name].parse(given[name], name)
+        name: _settings.BY_NAME[name].parse_given(given[name], name)
         for name in _settings.CONFIG_NAMES
         if given[name] is not _UNCHANGED
     }

@@ -234,13 +234,27 @@ def test_configure_takes_the_guard_as_a_bool_or_as_the_variable_spells_it(value,
     ("guard", 2, "1/true/yes/on or 0/false/no/off"),
 ])
 def test_configure_rejects_what_the_variable_rejects_with_the_same_message_and_changes_nothing(argument, value, allowed):
+    assert allowed in rejected_and_nothing_changed(argument, value)
+
+
+@pytest.mark.parametrize("argument", settings.CONFIG_NAMES)
+@pytest.mark.parametrize("value", ["", "  "])
+def test_a_blank_value_given_in_code_is_an_error_not_the_default_nor_an_off_word(argument, value):
+    # In the environment a blank value means the default; given in code it means nothing, and
+    # guard="" would otherwise read as AMP_BN_FIX's off word, turning the guard off.
+    rejected_and_nothing_changed(argument, value)
+
+
+def rejected_and_nothing_changed(argument, value):
+    """``configure``'s error for ``value``, checked to name the argument, the value and the allowed
+    values, and to change nothing; its message."""
     before = amp_bn_fix.get_config()
     with pytest.raises(ValueError) as error:
         amp_bn_fix.configure(**{"guard": False, argument: value})
     assert str(error.value) == f"{argument}={value!r} is not valid; allowed values: " + settings.BY_NAME[argument].allowed
-    assert allowed in str(error.value)
     after = amp_bn_fix.get_config()
     assert after == before and after.sources == before.sources  # nor the good value beside it
+    return str(error.value)
 
 
 def test_configure_in_a_with_block_restores_every_setting_and_its_source_even_on_an_error():

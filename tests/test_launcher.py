@@ -146,6 +146,7 @@ def test_the_exit_code_is_the_commands(via):
          "argument --policy: 'bogus' is not valid; allowed values: fp32, input, autocast, off"),
         (["--devices", "gpu", "--", "true"], {}, "argument --devices: 'gpu' is not valid; allowed values: 'all' or"),
         (["--guard", "maybe", "--", "true"], {}, "argument --guard: 'maybe' is not valid"),
+        (["--guard", "", "--", "true"], {}, "argument --guard: '' is not valid"),  # not the off word
         (["--"], {}, "missing the command"),
         (["--", "true"], {"AMP_BN_FIX_POLICY": "bogus"}, "AMP_BN_FIX_POLICY='bogus' is not valid"),
     ],
