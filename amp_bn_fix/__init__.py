@@ -42,7 +42,7 @@ from _amp_bn_fix_boot.settings import Config, PolicyName
 from _amp_bn_fix_boot.settings import DeviceType as _DeviceType
 from _amp_bn_fix_boot.settings import KeepMode as _KeepMode
 
-from . import _config, _patch, _record, _state
+from . import _compat, _config, _patch, _record, _state
 
 __all__ = [
     "Config",
@@ -369,6 +369,7 @@ def _start() -> None:
             return  # the command reports it, and enables nothing
         raise
     _config.configure(config)
+    _compat.keep_out_of_dynamo()
     if report_at_exit:
         _record.summary_at_exit()
     unknown = _settings.unknown_names()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections import OrderedDict
 from typing import Any, Callable, ContextManager, Optional, Tuple
@@ -11,6 +12,7 @@ import torch
 import torch._guards
 import torch.autograd.forward_ad
 import torch.utils.checkpoint
+import wrapt
 from torch.overrides import _get_current_function_mode_stack, has_torch_function_variadic
 from torch.utils._device import DeviceContext
 
@@ -48,6 +50,21 @@ _thread = _state.thread
 # What non-reentrant checkpointing raises to stop a recompute once it has every tensor it needs
 # (``torch/utils/checkpoint.py``, torch 2.1 and later): ops that ran before the stop stand.
 RECOMPUTE_STOPPED = torch.utils.checkpoint._StopRecomputationError
+
+
+def keep_out_of_dynamo() -> None:
+    """Have dynamo run the package's own frames as they are, never compile nor inline them, from
+    when it is imported (now, if it is already).
+
+    Dynamo compiles each Python frame it meets while compiled code runs eagerly (after a graph
+    break in ``BatchNorm.forward``: ``momentum=None`` breaks on ``float(num_batches_tracked)``),
+    and inlines the functions the code it traces calls. Compiled, the shim's frames would keep the
+    policy (a ContextVar, read once) of the call that compiled them, for every later call, and
+    recompile on each new tensor. Skipped, they run as in eager mode, under the policy in force.
+    ``trace_rules.add`` is how torch (2.4 to 2.15 alike) lets a package keep its files out; the
+    patched ``F.batch_norm`` itself goes into dynamo's graphs as torch's own function all the same.
+    """
+    wrapt.when_imported("torch._dynamo")(lambda _: importlib.import_module("torch._dynamo.trace_rules").add(__package__))
 
 
 def is_batched(t: torch.Tensor) -> bool:

@@ -756,6 +756,77 @@ def test_compiled(name, policy):
             assert compiled(*args).dtype is torch.bfloat16
 
 
+# --- batch norms compiled code runs eagerly ----------------------------------------------------
+#
+# Dynamo compiles the frames that compiled code runs eagerly (after a graph break) and inlines the
+# functions the code it traces calls; the shim's own frames are neither: they run as in eager mode,
+# under the policy in force at each call. A BatchNorm with momentum=None breaks the graph in its
+# forward (on float(num_batches_tracked)), and dynamo cannot trace a policy() block.
+
+N = 16  # rows of the BatchNorm1d input
+
+
+def autocast_module(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return bn(x)
+
+
+def rows(seed: int = 0) -> torch.Tensor:
+    return torch.randn(N, C, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_batch_norm_compiled_code_runs_eagerly_gets_the_policy_in_force_at_each_call(backend):
+    torch.compiler.reset()
+    under_input = torch.compile(autocast_module, backend=backend)
+    elsewhere = torch.compile(lambda bn, x: autocast_module(bn, x) * 1, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the block's warning about compiled code
+        with amp_bn_fix.policy("input"):
+            assert under_input(seeded(nn.BatchNorm1d(C, momentum=None)), rows()).dtype is torch.bfloat16
+    bn, x = seeded(nn.BatchNorm1d(C, momentum=None)), rows()
+    # The first update of a cumulative average takes the batch's statistics whole.
+    expected = fp64_batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, 1.0, bn.eps)
+    out = elsewhere(bn, x)
+    assert out.dtype is torch.float32  # not the input policy the shim's frames were compiled under
+    assert_near(out, expected.out, N, what="output")
+    assert_near(bn.running_mean, expected.running_mean, N, what="running mean")
+    assert_near(bn.running_var, expected.running_var, N, what="running var")
+
+
+def test_compiled_code_that_runs_a_batch_norm_eagerly_compiles_no_frame_per_call():
+    torch.compiler.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled, bn = torch.compile(autocast_module, backend="eager"), nn.BatchNorm1d(C, momentum=None)
+    frames = []
+    for calls in (2, 6):
+        for seed in range(calls):
+            assert compiled(bn, rows(seed)).dtype is torch.float32
+        frames.append(counters["frames"]["total"])
+    assert frames[0] == frames[1]  # compiled shim frames recompiled at each call, up to dynamo's limit
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_policy_block_inside_compiled_code_ends_where_it_ends(backend):
+    torch.compiler.reset()
+    inside, after = seeded(nn.BatchNorm1d(C)), seeded(nn.BatchNorm1d(C))
+    x = rows()
+    expected = fp64_batch_norm(x, after.running_mean, after.running_var, after.weight, after.bias, True, 0.1, after.eps)
+
+    def forward(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with amp_bn_fix.policy("input"):
+                a = inside(x)
+            return a, after(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        a, b = torch.compile(forward, backend=backend)(x)
+    assert (a.dtype, b.dtype) == (torch.bfloat16, torch.float32)  # as in eager mode
+    assert_near(b, expected.out, N, what="output after the block")
+
+
 # --- worker processes ---------------------------------------------------------------------------
 
 
