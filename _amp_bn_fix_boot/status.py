@@ -48,7 +48,10 @@ def shadowing_folder(path: Optional[List[str]] = None) -> Optional[str]:
     name seen from its parent, the working directory) imports as an empty namespace package: the
     path finder comes before the finder an editable install adds.
     """
-    spec = importlib.util.find_spec(PACKAGE) if path is None else importlib.machinery.PathFinder.find_spec(PACKAGE, path)
+    if path is None:
+        spec = importlib.util.find_spec(PACKAGE)
+    else:
+        spec = importlib.machinery.PathFinder.find_spec(PACKAGE, path)
     if spec is None or spec.origin not in (None, "namespace"):
         return None
     locations = list(spec.submodule_search_locations or [])

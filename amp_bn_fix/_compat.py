@@ -64,7 +64,10 @@ def keep_out_of_dynamo() -> None:
     ``trace_rules.add`` is how torch (2.4 to 2.15 alike) lets a package keep its files out; the
     patched ``F.batch_norm`` itself goes into dynamo's graphs as torch's own function all the same.
     """
-    wrapt.when_imported("torch._dynamo")(lambda _: importlib.import_module("torch._dynamo.trace_rules").add(__package__))
+    def skip_package(_dynamo: Any) -> None:
+        importlib.import_module("torch._dynamo.trace_rules").add(__package__)
+
+    wrapt.when_imported("torch._dynamo")(skip_package)
 
 
 def is_batched(t: torch.Tensor) -> bool:
