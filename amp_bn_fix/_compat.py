@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import pkgutil
 import sys
 from collections import OrderedDict
 from typing import Any, Callable, ContextManager, Optional, Tuple
@@ -52,9 +53,14 @@ _thread = _state.thread
 RECOMPUTE_STOPPED = torch.utils.checkpoint._StopRecomputationError
 
 
+# The package's modules dynamo may trace: the public functions, and the policy read they make,
+# which dynamo calls itself and compiles in as a constant (``_state.policy``).
+_TRACEABLE = ("__init__", "_state")
+
+
 def keep_out_of_dynamo() -> None:
-    """Have dynamo run the package's own frames as they are, never compile nor inline them, from
-    when it is imported (now, if it is already).
+    """Have dynamo run the shim's computation as it is, never compile nor inline it, from when it
+    is imported (now, if it is already).
 
     Dynamo compiles each Python frame it meets while compiled code runs eagerly (after a graph
     break in ``BatchNorm.forward``: ``momentum=None`` breaks on ``float(num_batches_tracked)``),
@@ -63,11 +69,19 @@ def keep_out_of_dynamo() -> None:
     recompile on each new tensor. Skipped, they run as in eager mode, under the policy in force.
     ``trace_rules.add`` is how torch (2.4 to 2.15 alike) lets a package keep its files out; the
     patched ``F.batch_norm`` itself goes into dynamo's graphs as torch's own function all the same.
+    The public functions stay traceable: compiled code that asks ``get_policy()`` gets the policy
+    it is compiled under, as its BatchNorms do (frames without tensors, such as the policy read's,
+    dynamo does not compile).
     """
-    def skip_package(_dynamo: Any) -> None:
-        importlib.import_module("torch._dynamo.trace_rules").add(__package__)
+    package = sys.modules[__package__]
 
-    wrapt.when_imported("torch._dynamo")(skip_package)
+    def skip_computation(_dynamo: Any) -> None:
+        trace_rules = importlib.import_module("torch._dynamo.trace_rules")
+        for module in pkgutil.iter_modules(package.__path__):
+            if module.name not in _TRACEABLE:
+                trace_rules.add(f"{__package__}.{module.name}")
+
+    wrapt.when_imported("torch._dynamo")(skip_computation)
 
 
 def is_batched(t: torch.Tensor) -> bool:

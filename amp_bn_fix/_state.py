@@ -112,3 +112,10 @@ def policy(device_type: Optional[str] = None) -> str:
     open_scopes = scopes.get()
     return (open_scopes[-1].policy if open_scopes else None) or settings.policy
 
+
+# Dynamo cannot read a ContextVar: it calls this function itself while it traces (in the context it
+# traces in, so the scopes of the task and thread that compile) and compiles the result in as a
+# constant. The mark is what ``torch.compiler.assume_constant_result`` sets, which would import
+# dynamo (a second's work) at the package's import.
+policy._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
