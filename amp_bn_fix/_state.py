@@ -118,4 +118,3 @@ def policy(device_type: Optional[str] = None) -> str:
 # constant. The mark is what ``torch.compiler.assume_constant_result`` sets, which would import
 # dynamo (a second's work) at the package's import.
 policy._dynamo_marked_constant = True  # type: ignore[attr-defined]
-

@@ -27,7 +27,7 @@ from torch import nn
 
 import amp_bn_fix
 from _bounds import assert_near, batch_norm_scales
-from _builders import fp64_batch_norm
+from _builders import fp64_batch_norm, seeded_input
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, shim_disabled
 from amp_bn_fix import _compat, _dispatch, _doors, _patch, _record
 
@@ -772,7 +772,7 @@ def autocast_module(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def rows(seed: int = 0) -> torch.Tensor:
-    return torch.randn(N, C, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    return seeded_input((N, C), torch.bfloat16, seed)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
