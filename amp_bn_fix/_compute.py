@@ -2,9 +2,10 @@
 
 One function, :func:`run`. The door passes in what computes torch's batch norm for it (``F.batch_norm``,
 the op below the dispatcher's autocast key, SyncBatchNorm's syncing function) and the
-:class:`~._plan.Plan`. The call runs inside one statistics session (:class:`Session`): autocast
-excluded, the running stats handed to the kernel (the caller's, a guarded working copy, or the rows
-of their FP32 master from ``_master``), and afterwards the guard's decision and the master's commit.
+:class:`~._plan.Plan`. The kernel runs inside one statistics session: autocast excluded, the running
+stats handed to it (the caller's, a guarded working copy, or the rows of their FP32 master from
+``_master``), and afterwards the guard's decision and the master's commit. No object is made for
+it: on the common call every step's Python shows.
 
 The kernel is the first row of :data:`KERNELS` that takes the call, for a float16/bfloat16 input:
 
@@ -54,144 +55,78 @@ def _torch_own_f_batch_norm() -> Optional[Original]:
 _F_BATCH_NORM = _torch_own_f_batch_norm()
 
 
-class Session:
-    """One computed call as its kernel takes it, and the statistics session around the kernel.
-
-    Made, it excludes autocast (nothing inside is recast half-way, and the dispatcher door at
-    autocast's key is not re-entered), takes the master's values where the plan has one and hands
-    out the running stats to update (``_guard.begin``) as :attr:`mean` and :attr:`var`. At
-    :meth:`end`, also when the kernel raises after updating them (activation checkpointing's early
-    stop raises out of the recomputed kernel, and torch's own update is kept then too), autocast is
-    restored, the guard decides (``_guard.finish``) and the master is rounded into the 16-bit buffers.
-    """
-
-    __slots__ = ("call", "plan", "original", "eager", "host", "native", "mean", "var", "_stats", "_held", "_update",
-                 "_token", "_autocast")
-
-    def __init__(self, original: Original, call: Tuple[Any, ...], plan: Plan, native: bool) -> None:
-        input, running_mean, running_var, weight, bias, training, _, eps = call
-        plain = plan.plain
-        # Only in plain eager mode may a kernel use what tracers would not record faithfully (a
-        # ``.data`` write, a Python autograd.Function, a backward hook, scratch tensors).
-        eager = plain or plain_eager(input, running_mean, running_var, weight, bias)
-        # torch's own F.batch_norm (not another library's wrapper of it) is torch.batch_norm once
-        # its checks pass: no torch function override (exact types, and no mode: a default-device
-        # mode would see the call again), more than one value per channel and a positive eps
-        # (else its errors, from it). torch.batch_norm is looked up at each call, as there.
-        if (plain and original is _F_BATCH_NORM and type(eps) is float and eps > 0.0
-                and not function_mode_enabled() and not (training and input.numel() == input.size(1))):
-            original = _torch_f_batch_norm
-        host = eager and _tuning.host_route(input)
-        update = bool(training) and running_mean is not None and running_var is not None
-        self.call, self.plan, self.original = call, plan, original
-        self.eager, self.host, self.native = eager, host, native
-        self._update, self._token, self._held = update, None, None
-        self._autocast = exclude_autocast(device_type(input), eager=eager)
-        try:
-            if not (plan.master and eager):
-                mean, var = running_mean, running_var
-            elif update:  # the master takes the update, and is rounded into the buffers at the end
-                self._held = _master.for_update(running_mean, running_var, host)
-                mean, var = self._held.rows
-            else:
-                mean, var = _master.for_reading(running_mean, running_var, host)
-            self._stats = mean, var
-            if update:
-                mean, var, self._token = _guard.begin(mean, var, guard=plan.guard, eager=eager, host=host, plain=plain,
-                                                      rows_of=None if self._held is None else self._held.values)
-            elif not plain:  # a plain plan's stats are FP32 already
-                mean, var = to_fp32(mean, eager), to_fp32(var, eager)
-        except BaseException:
-            restore_autocast(self._autocast)
-            raise
-        self.mean, self.var = mean, var
-
-    def kernel_call(self) -> Tuple[Any, ...]:
-        """The call in ``F.batch_norm``'s order, with the running stats to update in place of the caller's."""
-        call = self.call
-        return (call[0], self.mean, self.var, *call[3:])
-
-    def end(self) -> None:
-        # Autocast first: the guard's and the master's ops are FP32 and recast nothing, and under
-        # torch.export a block of its own that only writes the stats back (no outputs) makes a
-        # program that torch.export.load refuses.
-        restore_autocast(self._autocast)
-        if self._update:
-            running_mean, running_var = self.call[1:3]
-            mean, var = self._stats
-            _guard.finish(mean, var, self.mean, self.var, self._token, self.eager, running_mean)
-            if self._held is not None:
-                _master.commit(running_mean, running_var, self._held)
-
-
 # ---- The kernels, in order: each first says whether it takes the call (else NOT_THIS), then runs it ----
+#
+# A kernel gets what :func:`run` knows, by position: ``original``, the call in ``F.batch_norm``'s order
+# with the running stats to update in place of the caller's, the plan, and whether the call is in
+# plain eager mode (``eager``: only then may a kernel use what tracers would not record faithfully,
+# a ``.data`` write, a Python autograd.Function, a backward hook, scratch tensors), on the host
+# route (``host``), and computed by torch's own batch norm (``native``).
 
 # A kernel's answer for a call it does not take.
 NOT_THIS: Any = object()
 
+Kernel = Callable[[Original, Tuple[Any, ...], Plan, bool, bool, bool], Any]
 
-def _statistics_only(s: Session) -> Any:
+
+def _statistics_only(original: Original, call: Tuple[Any, ...], plan: Plan, eager: bool, host: bool,
+                     native: bool) -> Any:
     """torch's own output is made: in eager mode only the batch's statistics remain. torch's op for
     them updates FP32 stats as its kernels do (no output, about half a batch norm on CPU). It
     mutates stats its schema does not mark as written, which tracers would miss, and has no meta kernel."""
-    if not (s.plan.torch_output and s.eager):
-        return NOT_THIS
-    input = s.call[0]
-    if input.is_meta:
+    input = call[0]
+    if not (plan.torch_output and eager) or input.is_meta:
         return NOT_THIS
     if input.numel():  # an empty batch leaves the stats, as torch's kernels do
-        torch.batch_norm_update_stats(input, s.mean, s.var, s.call[6])
+        torch.batch_norm_update_stats(input, call[1], call[2], call[6])
     return None
 
 
-def _mixed(s: Session) -> Any:
+def _mixed(original: Original, call: Tuple[Any, ...], plan: Plan, eager: bool, host: bool, native: bool) -> Any:
     """The input's dtype out where torch's kernel for its device computes it exactly in FP32 (a layout
     the kernel takes): the input as it is, FP32 weight and bias."""
-    call, plan = s.call, s.plan
     input = call[0]
-    if not (s.native and s.eager and plan.out_dtype is input.dtype):
+    if not (native and eager and plan.out_dtype is input.dtype):
         return NOT_THIS
     cpu = input.is_cpu
     if not (_kernels.mixed_kernel_takes(input) if cpu else device_type(input) in _MIXED_KERNEL_DEVICES):
         return NOT_THIS
-    _, _, _, weight, bias, training, momentum, eps = call
     if not plan.plain:  # a plain plan's are FP32 already
-        weight, bias = to_fp32(weight, True), to_fp32(bias, True)
-    call = (input, s.mean, s.var, weight, bias, training, momentum, eps)
-    return _kernels.mixed_batch_norm(s.original, call) if cpu else s.original(*call)
+        call = (*call[:3], to_fp32(call[3], True), to_fp32(call[4], True), *call[5:])
+    return _kernels.mixed_batch_norm(original, call) if cpu else original(*call)
 
 
-def _fp32_route(s: Session) -> Any:
-    """An FP32 output from the 16-bit input (``_kernels``) where it pays, asked before anything else:
-    on the host route large training calls, on the device route large calls (``_tuning``). A half
-    model's 16-bit weight and bias are read as they are."""
-    input, training = s.call[0], s.call[5]
-    if not (s.native and s.eager and s.plan.out_dtype is _F32):
+def _fp32_route(original: Original, call: Tuple[Any, ...], plan: Plan, eager: bool, host: bool,
+                native: bool) -> Any:
+    """An FP32 output from the 16-bit input (``_kernels``) where it pays: on the host route large
+    training calls, on the device route large calls (``_tuning``). A half model's 16-bit weight and
+    bias are read as they are."""
+    if not (native and eager and plan.out_dtype is _F32):
         return NOT_THIS
-    if s.host:
+    values = call[0].numel()
+    if host:
         # MIN_VALUES is min_values() at one thread: no call below it asks for the thread count.
-        if training is not True or input.numel() < _tuning.MIN_VALUES or input.numel() < _tuning.min_values():
+        if call[5] is not True or values < _tuning.MIN_VALUES or values < _tuning.min_values():
             return NOT_THIS
-    elif input.numel() < _tuning.DEVICE_MIN_VALUES:
+    elif values < _tuning.DEVICE_MIN_VALUES:
         return NOT_THIS
-    call = s.kernel_call()
-    chunked = _kernels.fp32_route(s.host, call)
+    chunked = _kernels.fp32_route(host, call)
     return NOT_THIS if chunked is None else _kernels.fp32_batch_norm(call, chunked)
 
 
-def _reference(s: Session) -> Any:
+def _reference(original: Original, call: Tuple[Any, ...], plan: Plan, eager: bool, host: bool,
+               native: bool) -> Any:
     """Every call: the input cast to FP32 once, torch's FP32 kernel. A region strict export records
     takes the input as it comes under the ``input`` policy (no output dtype): torch's mixed-dtype
     kernels compute it in FP32 there."""
-    input, _, _, weight, bias, training, momentum, eps = s.call
-    eager, plan = s.eager, s.plan
+    input, mean, var, weight, bias, training, momentum, eps = call
     x = input if plan.out_dtype is None else to_copy(input, _F32, eager)
     if not plan.plain:  # a plain plan's are FP32 already
         weight, bias = to_fp32(weight, eager), to_fp32(bias, eager)
-    return s.original(x, s.mean, s.var, weight, bias, training, momentum, eps)
+    return original(x, mean, var, weight, bias, training, momentum, eps)
 
 
-KERNELS: Tuple[Callable[[Session], Any], ...] = (_statistics_only, _mixed, _fp32_route, _reference)
+KERNELS: Tuple[Kernel, ...] = (_statistics_only, _mixed, _fp32_route, _reference)
 
 
 def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool = True) -> torch.Tensor:
@@ -203,6 +138,13 @@ def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool =
     SyncBatchNorm's syncing function, which must see every call). With ``plan.guard``, a training
     step whose statistics are not finite leaves the running stats untouched (the output still
     carries the inf/NaN, so GradScaler sees it).
+
+    The kernel runs inside one statistics session: autocast excluded (nothing inside is recast
+    half-way, and the dispatcher door at autocast's key is not re-entered), the master's values
+    taken where the plan has one, and the running stats to update handed out (``_guard.begin``).
+    After it, also when it raises after updating them (activation checkpointing's early stop raises
+    out of the recomputed kernel, and torch's own update is kept then too), autocast is restored,
+    the guard decides (``_guard.finish``) and the master is rounded into the 16-bit buffers.
     """
     shown = stopped = None
     if plan.torch_output:
@@ -216,20 +158,58 @@ def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool =
             # the update below stands too, and then the recompute stops.
             stopped = stop
         call = (input.detach(), mean, var, None, None, training, momentum, eps)
-    session = Session(original, call, plan, native)
+    input, running_mean, running_var, weight, bias, training, _, eps = call
+    plain = plan.plain
+    eager = plain or plain_eager(input, running_mean, running_var, weight, bias)
+    # torch's own F.batch_norm (not another library's wrapper of it) is torch.batch_norm once
+    # its checks pass: no torch function override (exact types, and no mode: a default-device
+    # mode would see the call again), more than one value per channel and a positive eps
+    # (else its errors, from it). torch.batch_norm is looked up at each call, as there.
+    if (plain and original is _F_BATCH_NORM and type(eps) is float and eps > 0.0
+            and not function_mode_enabled() and not (training and input.numel() == input.size(1))):
+        original = _torch_f_batch_norm
+    host = eager and _tuning.host_route(input)
+    update = bool(training) and running_mean is not None and running_var is not None
+    held = token = None
+    excluded = exclude_autocast(device_type(input), eager=eager)
     try:
+        if not (plan.master and eager):
+            mean, var = running_mean, running_var
+        elif update:  # the master takes the update, and is rounded into the buffers at the end
+            held = _master.for_update(running_mean, running_var, host)
+            mean, var = held.rows
+        else:
+            mean, var = _master.for_reading(running_mean, running_var, host)
+        given = mean, var
+        if update:
+            mean, var, token = _guard.begin(mean, var, guard=plan.guard, eager=eager, host=host, plain=plain,
+                                            rows_of=None if held is None else held.values)
+        elif not plain:  # a plain plan's stats are FP32 already
+            mean, var = to_fp32(mean, eager), to_fp32(var, eager)
+    except BaseException:
+        restore_autocast(excluded)
+        raise
+    try:
+        call = (input, mean, var, *call[3:])
         for kernel in KERNELS:
-            out = kernel(session)
+            out = kernel(original, call, plan, eager, host, native)
             if out is not NOT_THIS:
                 break
     finally:
-        session.end()
+        # Autocast first: the guard's and the master's ops are FP32 and recast nothing, and under
+        # torch.export a block of its own that only writes the stats back (no outputs) makes a
+        # program that torch.export.load refuses.
+        restore_autocast(excluded)
+        if update:
+            _guard.finish(given[0], given[1], mean, var, token, eager, running_mean)
+            if held is not None:
+                _master.commit(running_mean, running_var, held)
     if stopped is not None:
         raise stopped
     if shown is not None:
         return shown
     out_dtype = plan.out_dtype
-    return out if out_dtype is None or out.dtype is out_dtype else to_copy(out, out_dtype, session.eager)
+    return out if out_dtype is None or out.dtype is out_dtype else to_copy(out, out_dtype, eager)
 
 
 def _torch_f_batch_norm(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],

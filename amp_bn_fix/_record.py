@@ -1,10 +1,10 @@
 """The record of what the shim did: counters kept without a host-device sync, read on demand.
 
-Calls are counted on the host where the wrapper decides (an integer increment). The guard's
-decisions are counted where they are made: skips decided on the host there; decisions made on a
-device are kept as the 0-dim device tensors they are (summed on the device every few dozen calls,
-no sync) next to a host count of checks, and only :func:`snapshot` reads them and derives the
-skips. On CUDA the sum runs on the stream current when it is made, ordered after every stream
+Calls are counted on the host where the wrapper decides: an integer increment into the deciding
+thread's own counts, with no lock, added up when read. The guard's decisions are counted where
+they are made: skips decided on the host there; decisions made on a device are kept as the 0-dim
+device tensors they are (summed on the device every few dozen calls, no sync) next to a host count
+of checks, and only :func:`snapshot` reads them and derives the skips. On CUDA the sum runs on the stream current when it is made, ordered after every stream
 that made a flag it sums (a warm-up on a side stream). Only plain eager calls are counted: traced
 and compiled code runs without the wrapper's Python (its calls are counted while tracing, not when
 the compiled code runs).
@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import os
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Set
@@ -37,6 +38,8 @@ from . import _state
 
 
 class _Counts:
+    """Calls counted by one thread, or by threads that ended."""
+
     __slots__ = ("passed", "handled", "captured")
 
     def __init__(self) -> None:
@@ -45,8 +48,45 @@ class _Counts:
         # The handled calls made while a CUDA graph was captured, by what they did (also in ``handled``).
         self.captured: Dict[str, int] = {}
 
+    def absorb(self, other: "_Counts") -> None:
+        self.passed += other.passed
+        for mine, theirs in ((self.handled, other.handled), (self.captured, other.captured)):
+            for name, calls in theirs.items():
+                mine[name] = mine.get(name, 0) + calls
 
-counts = _Counts()
+    def clear(self) -> None:
+        self.passed = 0
+        self.handled.clear()
+        self.captured.clear()
+
+
+class _ThreadEnd:
+    """Lives as long as its thread's counts are the thread's: dropped with the thread's local storage."""
+
+
+class _ThreadCounts(threading.local):
+    """Each thread counts into counts of its own, with no lock: a lock taken and released at every
+    call cost as much as the rest of a call the shim passes to torch. :func:`snapshot` adds them up
+    holding ``_state.record_lock``; a thread's that ends are added to ``_ended``."""
+
+    def __init__(self) -> None:
+        self.counts = counts = _Counts()
+        self._end = end = _ThreadEnd()
+        with _state.record_lock:
+            _live.add(counts)
+        weakref.finalize(end, _thread_ended, counts).atexit = False
+
+
+def _thread_ended(counts: _Counts) -> None:
+    with _state.record_lock:
+        _live.discard(counts)
+        _ended.absorb(counts)
+
+
+# The counts of the threads alive that have counted, and of every thread that ended.
+_live: Set[_Counts] = set()
+_ended = _Counts()
+_mine = _ThreadCounts()
 # The device route's decisions are kept as they come and summed every this many: one stack and
 # one sum on the device per _FOLD calls, instead of an add per call.
 _FOLD = 64
@@ -144,16 +184,23 @@ def _after_streams(streams: Set[Any], tensors: List[torch.Tensor]) -> None:
 
 
 def passed() -> None:
-    with _state.record_lock:
-        counts.passed += 1
+    _mine.counts.passed += 1
 
 
 def handled(counted_as: str) -> None:
-    with _state.record_lock:
-        counts.handled[counted_as] = counts.handled.get(counted_as, 0) + 1
-        # capturing(), written out: a Python frame less on every handled call.
-        if _cuda._initialized and _cuda.is_current_stream_capturing():
-            counts.captured[counted_as] = counts.captured.get(counted_as, 0) + 1
+    counts = _mine.counts
+    counts.handled[counted_as] = counts.handled.get(counted_as, 0) + 1
+    # capturing(), written out: a Python frame less on every handled call.
+    if _cuda._initialized and _cuda.is_current_stream_capturing():
+        counts.captured[counted_as] = counts.captured.get(counted_as, 0) + 1
+
+
+def _counted() -> _Counts:
+    """Every thread's counts, added up (with ``_state.record_lock`` held)."""
+    total = _Counts()
+    for counts in (_ended, *_live):
+        total.absorb(counts)
+    return total
 
 
 # The records' helpers below run with ``_state.record_lock`` held by their callers.
@@ -303,9 +350,10 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
                     record.label = record.label or _label(stat)
                     name = names.get(key) or record.label
                 skips[name] = skips.get(name, 0) + total
-        found = {"handled": dict(counts.handled), "passed_through": counts.passed, "guard_skips": skips}
+        counts = _counted()
+        found = {"handled": counts.handled, "passed_through": counts.passed, "guard_skips": skips}
         if counts.captured:
-            found["captured"] = dict(counts.captured)
+            found["captured"] = counts.captured
     return found
 
 
@@ -355,9 +403,8 @@ def print_summary() -> None:
 def reset() -> None:
     global _warned
     with _state.record_lock:
-        counts.passed = 0
-        counts.handled.clear()
-        counts.captured.clear()
+        for counts in (_ended, *_live):
+            counts.clear()
         _guard.clear()
         _deleted.clear()
         _dead.clear()

@@ -3,7 +3,7 @@
 Below every other module of the package (it imports none of them), so each door, the plan and the
 public API share one copy. Writers of the process-wide state: ``_config`` (the settings), ``_patch``
 (whether the patches are in place) and ``testing`` (the device route), each holding :data:`lock`;
-``_record`` changes its counts and guard records holding :data:`record_lock`.
+``_record`` changes its guard records, and reads its counts, holding :data:`record_lock`.
 The scopes belong to a context, and change only through :func:`swap_scopes` and
 :func:`restore_scopes` (``_config``, ``_checkpoint``).
 """
@@ -22,11 +22,12 @@ from _amp_bn_fix_boot.settings import Config
 # (``_kernels``): one at a time. Reentrant: a read-change-write of the settings holds it around the
 # write, which takes it too.
 lock = threading.RLock()
-# Held by every change of ``_record``'s counts and guard records, and by their readers: threads
-# count calls at once (nn.DataParallel's replicas, one per device, each with running stats of its
-# own), and a sweep's folds run torch ops that let other threads in half-way. Reentrant: a fold
-# may free a tensor whose weak-reference callback counts. Apart from ``lock``: counting never
-# waits for a settings change.
+# Held by every change of ``_record``'s guard records and by their readers, and by the readers of
+# its counts (each thread counts its calls into its own, unlocked): threads guard running stats at
+# once (nn.DataParallel's replicas, one per device, each with stats of its own), and a sweep's
+# folds run torch ops that let other threads in half-way. Reentrant: a fold may free a tensor
+# whose weak-reference callback records. Apart from ``lock``: recording never waits for a
+# settings change.
 record_lock = threading.RLock()
 
 

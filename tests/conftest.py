@@ -29,6 +29,17 @@ def fast_paths_for_small_inputs(monkeypatch):
     monkeypatch.setattr(_tuning, "DEVICE_MIN_VALUES", 0)
 
 
+@pytest.fixture
+def fresh_record():
+    """An empty record around the test: its counts, and no guard record of a tensor that died, whose
+    id a new tensor may take (that record is folded then, with ops on its device)."""
+    from amp_bn_fix import _record
+
+    _record.reset()
+    yield
+    _record.reset()
+
+
 @pytest.fixture(params=["host", "device"], ids=["host-route", "device-route"])
 def both_routes(request, monkeypatch):
     """The test runs on the host route (CPU reads, fast paths) and on the route a CUDA call takes.

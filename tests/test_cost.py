@@ -184,7 +184,7 @@ def test_kept_for_backward_counts_each_saved_tensor_once():
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_inference_mode_counts_what_no_grad_counts(training):
+def test_inference_mode_counts_what_no_grad_counts(fresh_record, training):
     # Under inference_mode the composite ops (``to``, ``reshape``, ``batch_norm``) reach the counter
     # whole, where autograd has not decomposed them: they count as their ops do elsewhere.
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).train(training)

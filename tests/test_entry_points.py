@@ -289,13 +289,6 @@ def test_entry_point(entry: Entry, policy: str, dtype: torch.dtype, training: bo
 # --- the two doors: each call decided once -----------------------------------------------------
 
 
-@pytest.fixture
-def fresh_record():
-    _record.reset()
-    yield
-    _record.reset()
-
-
 def call_counts() -> Tuple[int, int]:
     record = amp_bn_fix.report()
     return sum(record["handled"].values()), record["passed_through"]

@@ -31,6 +31,7 @@ from _shared import shim_disabled
 from amp_bn_fix import _compat, _master, _record
 from amp_bn_fix.testing import device_route
 
+pytestmark = pytest.mark.usefixtures("fresh_record")
 aten = torch.ops.aten
 # Allocations are not kernels: a replay does not run them, and what they hand out holds garbage
 # (NaN here) until a recorded op writes it.
@@ -110,13 +111,6 @@ def captured() -> Iterator[Graph]:
         with graph:
             yield graph
     graph._undo_capture()
-
-
-@pytest.fixture(autouse=True)
-def fresh_record():
-    _record.reset()
-    yield
-    _record.reset()
 
 
 @pytest.fixture(autouse=True)

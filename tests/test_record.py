@@ -15,7 +15,7 @@ from _shared import SUBPROCESS_TIMEOUT, child_env, guarded_update
 from amp_bn_fix import _record
 
 # Every test on the CPU's route and on the route a CUDA call takes (see conftest).
-pytestmark = pytest.mark.usefixtures("every_route")
+pytestmark = pytest.mark.usefixtures("every_route", "fresh_record")
 
 
 def model():
@@ -28,13 +28,6 @@ def image(bad=False):
     if bad:
         x[0, 0, 0, 0] = float("inf")
     return x
-
-
-@pytest.fixture(autouse=True)
-def fresh_record():
-    _record.reset()
-    yield
-    _record.reset()
 
 
 def test_calls_are_counted_per_policy_and_passed_through():
@@ -339,3 +332,23 @@ def test_calls_in_threads_are_each_counted():
     assert _in_threads(calls) == []
     report = amp_bn_fix.report()
     assert (report["handled"], report["passed_through"]) == ({"fp32": 8 * 500}, 8 * 500)
+
+
+def test_calls_of_threads_that_ended_stay_counted_and_their_counts_go():
+    # A thread per request: each thread counts into counts of its own, which are let go when it
+    # ends (added to those of the threads that ended before), so nothing grows with the threads.
+    x, running_mean, running_var = torch.randn(4, 3, dtype=torch.bfloat16), torch.zeros(3), torch.ones(3)
+
+    def calls():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.functional.batch_norm(x, running_mean, running_var, None, None, False, 0.1, 1e-5)
+        torch.nn.functional.batch_norm(x.float(), running_mean, running_var, None, None, False, 0.1, 1e-5)
+
+    live = len(_record._live)
+    for _ in range(20):
+        thread = threading.Thread(target=calls)
+        thread.start()
+        thread.join()
+    report = amp_bn_fix.report()
+    assert (report["handled"], report["passed_through"]) == ({"fp32": 20}, 20)
+    assert len(_record._live) <= live
