@@ -30,7 +30,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -51,7 +51,8 @@ class _Counts:
     def absorb(self, other: "_Counts") -> None:
         self.passed += other.passed
         for mine, theirs in ((self.handled, other.handled), (self.captured, other.captured)):
-            for name, calls in theirs.items():
+            # A copy first, made in one step: the thread that owns ``other`` may add a key meanwhile.
+            for name, calls in theirs.copy().items():
                 mine[name] = mine.get(name, 0) + calls
 
     def clear(self) -> None:
@@ -67,25 +68,44 @@ class _ThreadEnd:
 class _ThreadCounts(threading.local):
     """Each thread counts into counts of its own, with no lock: a lock taken and released at every
     call cost as much as the rest of a call the shim passes to torch. :func:`snapshot` adds them up
-    holding ``_state.record_lock``; a thread's that ends are added to ``_ended``."""
+    holding ``_state.record_lock``.
+
+    A thread's counts are registered at its first count, with a weak reference to a sentinel that
+    dies with the thread's local storage; the counts of threads that ended are added to
+    ``_ended`` at a snapshot and as threads come (:func:`_fold_ended`). Nothing runs when a thread
+    ends: in a child of ``os.fork``, the parent's other threads end inside the fork, before any
+    at-fork handler has made the child locks of its own.
+    """
 
     def __init__(self) -> None:
         self.counts = counts = _Counts()
         self._end = end = _ThreadEnd()
         with _state.record_lock:
-            _live.add(counts)
-        weakref.finalize(end, _thread_ended, counts).atexit = False
+            if len(_live) >= _fold_at:
+                _fold_ended()
+            _live.append((weakref.ref(end), counts))
 
 
-def _thread_ended(counts: _Counts) -> None:
-    with _state.record_lock:
-        _live.discard(counts)
-        _ended.absorb(counts)
+def _fold_ended() -> None:
+    """Add the counts of the threads that ended to ``_ended`` (with ``_state.record_lock`` held)."""
+    global _fold_at
+    alive = []
+    for end, counts in _live:
+        if end() is None:
+            _ended.absorb(counts)
+        else:
+            alive.append((end, counts))
+    _live[:] = alive
+    _fold_at = max(_MIN_FOLD, 2 * len(alive))
 
 
-# The counts of the threads alive that have counted, and of every thread that ended.
-_live: Set[_Counts] = set()
+# The counts of the threads that have counted, each with its sentinel's reference (dead once the
+# thread ended), and the counts of the threads that ended and were folded. Threads that ended are
+# looked for once the list has doubled since the last look.
+_live: List[Tuple["weakref.ReferenceType[_ThreadEnd]", _Counts]] = []
 _ended = _Counts()
+_MIN_FOLD = 64
+_fold_at = _MIN_FOLD
 _mine = _ThreadCounts()
 # The device route's decisions are kept as they come and summed every this many: one stack and
 # one sum on the device per _FOLD calls, instead of an add per call.
@@ -197,8 +217,9 @@ def handled(counted_as: str) -> None:
 
 def _counted() -> _Counts:
     """Every thread's counts, added up (with ``_state.record_lock`` held)."""
+    _fold_ended()
     total = _Counts()
-    for counts in (_ended, *_live):
+    for counts in (_ended, *(counts for _, counts in _live)):
         total.absorb(counts)
     return total
 
@@ -403,7 +424,7 @@ def print_summary() -> None:
 def reset() -> None:
     global _warned
     with _state.record_lock:
-        for counts in (_ended, *_live):
+        for counts in (_ended, *(counts for _, counts in _live)):
             counts.clear()
         _guard.clear()
         _deleted.clear()

@@ -285,7 +285,7 @@ def test_configure_does_not_enable_the_shim_and_set_policy_goes_through_it():
 # Run in a fresh interpreter: threads that other tests leave behind (compile workers) may hold
 # locks of their own at a fork, which is no concern of the shim's.
 FORK_WHILE_HELD = """
-import os, signal, threading
+import os, signal, threading, time
 import torch
 import amp_bn_fix
 from amp_bn_fix import _state
@@ -293,6 +293,8 @@ from amp_bn_fix import _state
 held, release = threading.Event(), threading.Event()
 
 def holder():
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a thread that has counted calls of its own
+        torch.nn.functional.batch_norm(torch.randn(4, 3).bfloat16(), None, None, training=True)
     with _state.lock, _state.record_lock:
         held.set()
         release.wait()
@@ -310,15 +312,25 @@ if pid == 0:  # the child: a hang ends it by SIGALRM
     os._exit(0 if out.dtype is torch.bfloat16 and amp_bn_fix.report()["handled"] else 2)
 release.set()
 thread.join()
-_, status = os.waitpid(pid, 0)
-raise SystemExit(os.waitstatus_to_exitcode(status))
+# A child stuck inside os.fork() never sets its alarm: the parent ends it.
+deadline = time.monotonic() + 60
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+    if time.monotonic() > deadline:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise SystemExit("the child hung")
+    time.sleep(0.05)
 """
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_a_fork_while_another_thread_holds_the_locks_leaves_the_child_working():
-    """A DataLoader starts its workers by fork while another thread changes the settings or counts:
-    the child changes settings and counts calls of its own, as the parent does."""
+    """A DataLoader starts its workers by fork while another thread, which has counted calls of its
+    own, changes the settings or a guard record: the child changes settings and counts calls of
+    its own, as the parent does."""
     result = subprocess.run([sys.executable, "-c", FORK_WHILE_HELD], env=child_env(), capture_output=True, text=True,
                             timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr

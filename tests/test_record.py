@@ -277,9 +277,9 @@ def test_flags_made_on_another_stream_are_summed_after_it(monkeypatch):
 # --- threads ---------------------------------------------------------------------------------------
 
 
-def _in_threads(work, threads=8):
-    """Run ``work`` in ``threads`` threads at once, switching as often as the interpreter can;
-    returns what they raised."""
+def _in_threads(work, threads=8, before=None):
+    """Run ``work`` in ``threads`` threads at once, switching as often as the interpreter can (from
+    ``before()`` on, if given); returns what they raised."""
     errors = []
 
     def run():
@@ -291,6 +291,8 @@ def _in_threads(work, threads=8):
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
+        if before is not None:
+            before()
         pool = [threading.Thread(target=run) for _ in range(threads)]
         for thread in pool:
             thread.start()
@@ -352,3 +354,36 @@ def test_calls_of_threads_that_ended_stay_counted_and_their_counts_go():
     report = amp_bn_fix.report()
     assert (report["handled"], report["passed_through"]) == ({"fp32": 20}, 20)
     assert len(_record._live) <= live
+
+
+def test_report_while_new_threads_count_under_new_policies():
+    # A thread adds a key to its own counts, unlocked, at its first call under a policy, while
+    # another thread's report() reads them.
+    bn, x = nn.BatchNorm1d(4).eval(), torch.randn(8, 4, dtype=torch.bfloat16)
+
+    def request():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bn(x)
+            with amp_bn_fix.policy("input"):
+                bn(x)
+
+    def requests():
+        for _ in range(100):
+            thread = threading.Thread(target=request)
+            thread.start()
+            thread.join()
+
+    errors = []
+
+    def reports():
+        while server.is_alive():
+            try:
+                amp_bn_fix.report()
+            except RuntimeError as error:
+                errors.append(repr(error))
+
+    server = threading.Thread(target=requests)
+    assert _in_threads(reports, threads=1, before=server.start) == []
+    server.join()
+    assert errors == []
+    assert amp_bn_fix.report()["handled"] == {"fp32": 100, "input": 100}
