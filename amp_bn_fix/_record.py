@@ -71,39 +71,46 @@ class _ThreadCounts(threading.local):
     holding ``_state.record_lock``.
 
     A thread's counts are registered at its first count, with a weak reference to a sentinel that
-    dies with the thread's local storage; the counts of threads that ended are added to
-    ``_ended`` at a snapshot and as threads come (:func:`_fold_ended`). Nothing runs when a thread
-    ends: in a child of ``os.fork``, the parent's other threads end inside the fork, before any
-    at-fork handler has made the child locks of its own.
+    dies with the thread's local storage; the counts of threads that ended are folded into one at
+    a snapshot and as threads come (:func:`_folded`). Nothing runs when a thread ends: in a child
+    of ``os.fork``, the parent's other threads end inside the fork, before any at-fork handler has
+    made the child locks of its own.
     """
 
     def __init__(self) -> None:
+        global _threads
         self.counts = counts = _Counts()
         self._end = end = _ThreadEnd()
         with _state.record_lock:
-            if len(_live) >= _fold_at:
-                _fold_ended()
-            _live.append((weakref.ref(end), counts))
+            ended, live = _folded() if len(_threads[1]) >= _fold_at else _threads
+            _threads = ended, (*live, (weakref.ref(end), counts))
 
 
-def _fold_ended() -> None:
-    """Add the counts of the threads that ended to ``_ended`` (with ``_state.record_lock`` held)."""
+Registered = Tuple["weakref.ReferenceType[_ThreadEnd]", _Counts]
+
+
+def _folded() -> Tuple[_Counts, Tuple[Registered, ...]]:
+    """:data:`_threads` with the counts of the threads that ended folded into the first, made aside
+    (with ``_state.record_lock`` held)."""
     global _fold_at
-    alive = []
-    for end, counts in _live:
-        if end() is None:
-            _ended.absorb(counts)
+    before, registered = _threads
+    ended, alive = _Counts(), []
+    ended.absorb(before)
+    for entry in registered:
+        if entry[0]() is None:  # asked once: the thread may end meanwhile
+            ended.absorb(entry[1])
         else:
-            alive.append((end, counts))
-    _live[:] = alive
+            alive.append(entry)
     _fold_at = max(_MIN_FOLD, 2 * len(alive))
+    return ended, tuple(alive)
 
 
-# The counts of the threads that have counted, each with its sentinel's reference (dead once the
-# thread ended), and the counts of the threads that ended and were folded. Threads that ended are
-# looked for once the list has doubled since the last look.
-_live: List[Tuple["weakref.ReferenceType[_ThreadEnd]", _Counts]] = []
-_ended = _Counts()
+# The counts of the threads that ended and were folded, and those of the threads registered since
+# (each with its sentinel's reference, dead once the thread ended). Replaced whole, in one
+# assignment: a fold stopped half-way (Ctrl-C, a signal handler's own report(), a fork from another
+# thread) leaves them as they were. Threads that ended are looked for once the registered ones have
+# doubled since the last look.
+_threads: Tuple[_Counts, Tuple[Registered, ...]] = (_Counts(), ())
 _MIN_FOLD = 64
 _fold_at = _MIN_FOLD
 _mine = _ThreadCounts()
@@ -217,9 +224,11 @@ def handled(counted_as: str) -> None:
 
 def _counted() -> _Counts:
     """Every thread's counts, added up (with ``_state.record_lock`` held)."""
-    _fold_ended()
+    global _threads
+    _threads = ended, registered = _folded()
     total = _Counts()
-    for counts in (_ended, *(counts for _, counts in _live)):
+    total.absorb(ended)
+    for _, counts in registered:
         total.absorb(counts)
     return total
 
@@ -424,7 +433,8 @@ def print_summary() -> None:
 def reset() -> None:
     global _warned
     with _state.record_lock:
-        for counts in (_ended, *(counts for _, counts in _live)):
+        ended, registered = _threads
+        for counts in (ended, *(counts for _, counts in registered)):
             counts.clear()
         _guard.clear()
         _deleted.clear()

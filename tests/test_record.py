@@ -346,14 +346,14 @@ def test_calls_of_threads_that_ended_stay_counted_and_their_counts_go():
             torch.nn.functional.batch_norm(x, running_mean, running_var, None, None, False, 0.1, 1e-5)
         torch.nn.functional.batch_norm(x.float(), running_mean, running_var, None, None, False, 0.1, 1e-5)
 
-    live = len(_record._live)
+    registered = len(_record._threads[1])
     for _ in range(20):
         thread = threading.Thread(target=calls)
         thread.start()
         thread.join()
     report = amp_bn_fix.report()
     assert (report["handled"], report["passed_through"]) == ({"fp32": 20}, 20)
-    assert len(_record._live) <= live
+    assert len(_record._threads[1]) <= registered
 
 
 def test_report_while_new_threads_count_under_new_policies():
@@ -387,3 +387,31 @@ def test_report_while_new_threads_count_under_new_policies():
     server.join()
     assert errors == []
     assert amp_bn_fix.report()["handled"] == {"fp32": 100, "input": 100}
+
+
+def test_a_report_stopped_half_way_leaves_every_call_counted_once(monkeypatch):
+    # Ctrl-C, an error, or a signal handler's own report() while report() adds up the counts of
+    # threads that ended: nothing it had added so far stands.
+    x, running_mean, running_var = torch.randn(4, 3, dtype=torch.bfloat16), torch.zeros(3), torch.ones(3)
+
+    def call():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.functional.batch_norm(x, running_mean, running_var, None, None, False, 0.1, 1e-5)
+
+    for _ in range(10):
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+    absorb, added = _record._Counts.absorb, []
+
+    def stopping(self, other):
+        added.append(other)
+        if len(added) == 5:
+            raise KeyboardInterrupt
+        absorb(self, other)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_record._Counts, "absorb", stopping)
+        with pytest.raises(KeyboardInterrupt):
+            amp_bn_fix.report()
+    assert amp_bn_fix.report()["handled"] == {"fp32": 10}
