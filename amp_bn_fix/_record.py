@@ -4,10 +4,10 @@ Calls are counted on the host where the wrapper decides: an integer increment in
 thread's own counts, with no lock, added up when read. The guard's decisions are counted where
 they are made: skips decided on the host there; decisions made on a device are kept as the 0-dim
 device tensors they are (summed on the device every few dozen calls, no sync) next to a host count
-of checks, and only :func:`snapshot` reads them and derives the skips. On CUDA the sum runs on the stream current when it is made, ordered after every stream
-that made a flag it sums (a warm-up on a side stream). Only plain eager calls are counted: traced
-and compiled code runs without the wrapper's Python (its calls are counted while tracing, not when
-the compiled code runs).
+of checks, and only :func:`snapshot` reads them and derives the skips. On CUDA the sum runs on the
+stream current when it is made, ordered after every stream that made a flag it sums (a warm-up on
+a side stream). Only plain eager calls are counted: traced and compiled code runs without the
+wrapper's Python (its calls are counted while tracing, not when the compiled code runs).
 
 CUDA graphs likewise: a call made while the current CUDA stream is capturing a graph is counted
 once, as handled and under ``captured``, and its replays are not counted. The guard's decision in
@@ -82,7 +82,7 @@ class _ThreadCounts(threading.local):
         self.counts = counts = _Counts()
         self._end = end = _ThreadEnd()
         with _state.record_lock:
-            ended, live = _folded() if len(_threads[1]) >= _fold_at else _threads
+            ended, live = _folded() if len(_threads[1]) >= _threads_sweep_at else _threads
             _threads = ended, (*live, (weakref.ref(end), counts))
 
 
@@ -92,7 +92,7 @@ Registered = Tuple["weakref.ReferenceType[_ThreadEnd]", _Counts]
 def _folded() -> Tuple[_Counts, Tuple[Registered, ...]]:
     """:data:`_threads` with the counts of the threads that ended folded into the first, made aside
     (with ``_state.record_lock`` held)."""
-    global _fold_at
+    global _threads_sweep_at
     before, registered = _threads
     ended, alive = _Counts(), []
     ended.absorb(before)
@@ -101,18 +101,19 @@ def _folded() -> Tuple[_Counts, Tuple[Registered, ...]]:
             ended.absorb(entry[1])
         else:
             alive.append(entry)
-    _fold_at = max(_MIN_FOLD, 2 * len(alive))
+    _threads_sweep_at = max(_MIN_SWEEP, 2 * len(alive))
     return ended, tuple(alive)
 
 
 # The counts of the threads that ended and were folded, and those of the threads registered since
 # (each with its sentinel's reference, dead once the thread ended). Replaced whole, in one
 # assignment: a fold stopped half-way (Ctrl-C, a signal handler's own report(), a fork from another
-# thread) leaves them as they were. Threads that ended are looked for once the registered ones have
-# doubled since the last look.
+# thread) leaves them as they were.
 _threads: Tuple[_Counts, Tuple[Registered, ...]] = (_Counts(), ())
-_MIN_FOLD = 64
-_fold_at = _MIN_FOLD
+# What died (threads here, running means' guard records below) is looked for once what is kept has
+# doubled since the last look, and not below this many.
+_MIN_SWEEP = 64
+_threads_sweep_at = _MIN_SWEEP
 _mine = _ThreadCounts()
 # The device route's decisions are kept as they come and summed every this many: one stack and
 # one sum on the device per _FOLD calls, instead of an add per call.
@@ -185,8 +186,6 @@ _guard: Dict[int, _GuardRecord] = {}
 # ("" for decisions made on the host only): they still count, under one name.
 _deleted: Dict[str, _GuardRecord] = {}
 DELETED = "running stats no longer alive"
-# Dead records are looked for once the live ones have doubled since the last look.
-_MIN_SWEEP = 64
 _sweep_at = _MIN_SWEEP
 _warned = False
 # Records of dead running means not yet added to ``_deleted``: that takes device ops, which wait

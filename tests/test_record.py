@@ -303,6 +303,15 @@ def _in_threads(work, threads=8, before=None):
     return errors
 
 
+def _one_thread_each(work, times):
+    """Run ``work`` ``times`` times, each in a thread of its own that ends before the next starts
+    (a thread per request)."""
+    for _ in range(times):
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+
+
 @pytest.mark.parametrize("stats", ["fp32", "bf16 without a master"])
 def test_threads_with_running_stats_of_their_own_count_without_error(every_route, stats):
     # nn.DataParallel's replicas: a thread per device, new buffer tensors at every forward, whose
@@ -337,8 +346,8 @@ def test_calls_in_threads_are_each_counted():
 
 
 def test_calls_of_threads_that_ended_stay_counted_and_their_counts_go():
-    # A thread per request: each thread counts into counts of its own, which are let go when it
-    # ends (added to those of the threads that ended before), so nothing grows with the threads.
+    # A thread per request: each thread counts into counts of its own, which a report adds to
+    # those of the threads that ended before and lets go, so nothing grows with the threads.
     x, running_mean, running_var = torch.randn(4, 3, dtype=torch.bfloat16), torch.zeros(3), torch.ones(3)
 
     def calls():
@@ -347,10 +356,7 @@ def test_calls_of_threads_that_ended_stay_counted_and_their_counts_go():
         torch.nn.functional.batch_norm(x.float(), running_mean, running_var, None, None, False, 0.1, 1e-5)
 
     registered = len(_record._threads[1])
-    for _ in range(20):
-        thread = threading.Thread(target=calls)
-        thread.start()
-        thread.join()
+    _one_thread_each(calls, 20)
     report = amp_bn_fix.report()
     assert (report["handled"], report["passed_through"]) == ({"fp32": 20}, 20)
     assert len(_record._threads[1]) <= registered
@@ -367,12 +373,6 @@ def test_report_while_new_threads_count_under_new_policies():
             with amp_bn_fix.policy("input"):
                 bn(x)
 
-    def requests():
-        for _ in range(100):
-            thread = threading.Thread(target=request)
-            thread.start()
-            thread.join()
-
     errors = []
 
     def reports():
@@ -382,7 +382,7 @@ def test_report_while_new_threads_count_under_new_policies():
             except RuntimeError as error:
                 errors.append(repr(error))
 
-    server = threading.Thread(target=requests)
+    server = threading.Thread(target=_one_thread_each, args=(request, 100))
     assert _in_threads(reports, threads=1, before=server.start) == []
     server.join()
     assert errors == []
@@ -398,10 +398,7 @@ def test_a_report_stopped_half_way_leaves_every_call_counted_once(monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             torch.nn.functional.batch_norm(x, running_mean, running_var, None, None, False, 0.1, 1e-5)
 
-    for _ in range(10):
-        thread = threading.Thread(target=call)
-        thread.start()
-        thread.join()
+    _one_thread_each(call, 10)
     absorb, added = _record._Counts.absorb, []
 
     def stopping(self, other):
