@@ -30,7 +30,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -135,78 +135,97 @@ def _no_tensor() -> None:
 
 
 class _GuardRecord:
-    """What the guard decided for one running mean."""
+    """What the guard decided for one running mean.
 
-    __slots__ = ("ref", "host_skips", "device_checks", "device_flags", "device_kept", "streams", "label")
+    Each change is one assignment (an attribute, or an item appended), so a change stopped
+    half-way (Ctrl-C, a signal handler's own report(), a fork from another thread) counts nothing
+    twice and loses nothing.
+    """
+
+    __slots__ = ("ref", "host_skips", "device", "streams", "label")
 
     def __init__(self, running_mean: Optional[torch.Tensor]) -> None:
-        # None: the record of running means that died (``_deleted``).
+        # None: a record that adds up those of running means that died (:func:`_retire_dead`).
         self.ref = weakref.ref(running_mean) if running_mean is not None else _no_tensor
         self.host_skips = 0
-        self.device_checks = 0
-        # 0-dim bool device tensors not summed yet, and the sum of those that were.
-        self.device_flags: List[torch.Tensor] = []
-        self.device_kept: Optional[torch.Tensor] = None
-        # The CUDA streams that wrote those flags or ``device_kept`` (empty on CPU).
-        self.streams: Set[Any] = set()
+        # The decisions made on a device: the 0-dim bool device tensors (True where the update was
+        # kept) not summed yet, each a check; the sum of those that were (None before the first);
+        # and how many checks that sum holds. Appended to (a check, in one step), and replaced
+        # whole by :meth:`fold`.
+        self.device: Tuple[List[torch.Tensor], Optional[torch.Tensor], int] = ([], None, 0)
+        # The CUDA streams that wrote those flags or that sum (empty on CPU).
+        self.streams: FrozenSet[Any] = frozenset()
         self.label: Optional[str] = None
 
     def skips(self) -> int:
         """Reads the device's decisions (a sync): only :func:`snapshot` calls it."""
-        self.fold()
-        kept = int(self.device_kept.item()) if self.device_kept is not None else 0
-        return self.host_skips + self.device_checks - kept
+        kept, checks = self.fold()
+        return self.host_skips + checks - (int(kept.item()) if kept is not None else 0)
 
-    def fold(self) -> None:
-        """Sum the decisions not summed yet into ``device_kept``, on the device (no sync)."""
-        flags = self.device_flags
+    def fold(self) -> Tuple[Optional[torch.Tensor], int]:
+        """Sum the decisions not summed yet, on the device (no sync): the kept updates, and the checks."""
+        flags, kept, checks = self.device
         if self.streams:  # CUDA: flags, or a sum, written on some stream
-            _after_streams(self.streams, flags or [self.device_kept])
+            self.streams = _after_streams(self.streams, flags or [kept])
         if flags:
-            kept = torch.stack(flags).sum()
             # Out of place: a sum made under ``torch.inference_mode()`` is an inference tensor,
             # which no later call outside it may change in place.
-            self.device_kept = kept if self.device_kept is None else self.device_kept + kept
-            flags.clear()
-
-    def absorb(self, other: "_GuardRecord") -> None:
-        """Add ``other``'s decisions (made on this record's device) to this record's."""
-        self.fold()
-        other.fold()
-        self.streams |= other.streams
-        self.host_skips += other.host_skips
-        self.device_checks += other.device_checks
-        if other.device_kept is not None:
-            self.device_kept = other.device_kept if self.device_kept is None else self.device_kept + other.device_kept
+            total = torch.stack(flags).sum()
+            kept, checks = (total if kept is None else kept + total), checks + len(flags)
+            self.device = [], kept, checks
+        return kept, checks
 
 
-# id(running_mean) -> its record
-_guard: Dict[int, _GuardRecord] = {}
-# The decisions for running means that died, one record per device their decisions were kept on
-# ("" for decisions made on the host only): they still count, under one name.
-_deleted: Dict[str, _GuardRecord] = {}
+def _added_up(records: Sequence[_GuardRecord]) -> _GuardRecord:
+    """A new record holding the decisions of ``records`` (made on one device), which stay as they were."""
+    total = _GuardRecord(None)
+    kept: Optional[torch.Tensor] = None
+    checks = 0
+    for record in records:
+        mine, its_checks = record.fold()
+        total.streams |= record.streams
+        total.host_skips += record.host_skips
+        checks += its_checks
+        if mine is not None:
+            kept = mine if kept is None else kept + mine
+    total.device = [], kept, checks
+    return total
+
+
+class _Records(NamedTuple):
+    """The guard's records. Replaced whole, in one assignment, wherever a record moves from one to
+    another, so that a move stopped half-way leaves them as they were."""
+
+    # id(running_mean) -> its record; a new running mean's is added in place (one step).
+    alive: Dict[int, _GuardRecord]
+    # The decisions of running means that died, one record per device they were kept on ("" for
+    # decisions made on the host only): they still count, under one name.
+    deleted: Dict[str, _GuardRecord]
+    # Records of dead running means not added to ``deleted`` yet: adding takes device ops, which
+    # wait while a CUDA graph is captured.
+    dead: Tuple[_GuardRecord, ...]
+
+
+_records = _Records({}, {}, ())
 DELETED = "running stats no longer alive"
 _sweep_at = _MIN_SWEEP
 _warned = False
-# Records of dead running means not yet added to ``_deleted``: that takes device ops, which wait
-# while a CUDA graph is captured.
-_dead: List[_GuardRecord] = []
 
 
-def _after_streams(streams: Set[Any], tensors: List[torch.Tensor]) -> None:
+def _after_streams(streams: FrozenSet[Any], tensors: List[Optional[torch.Tensor]]) -> FrozenSet[Any]:
     """Order the current CUDA stream after ``streams``, which wrote ``tensors`` (flags made in a
     warm-up on a side stream, say): the sum about to run on it must see them, and the allocator
     must not hand their memory back to those streams before it has. The current stream is then the
-    one that writes the sum."""
-    current = _cuda.current_stream(tensors[0].device)
+    one that writes the sum: the streams to remember from now on."""
+    current = _cuda.current_stream(tensors[0].device)  # type: ignore[union-attr]
     others = [stream for stream in streams if stream != current]
-    if others:
-        for stream in others:
-            current.wait_stream(stream)
-        for tensor in tensors:
-            tensor.record_stream(current)
-        streams.clear()
-        streams.add(current)
+    if not others:
+        return streams
+    for stream in others:
+        current.wait_stream(stream)
+    for tensor in tensors:
+        tensor.record_stream(current)  # type: ignore[union-attr]
+    return frozenset((current,))
 
 
 def passed() -> None:
@@ -236,15 +255,21 @@ def _counted() -> _Counts:
 
 
 def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
+    global _records
     key = id(running_mean)
-    record = _guard.get(key)
-    if record is None or record.ref() is not running_mean:
-        if record is not None:  # a dead tensor's id, taken by a new one
-            _retire(record)
-        elif len(_guard) >= _sweep_at:
+    alive, deleted, dead = _records
+    record = alive.get(key)
+    if record is not None and record.ref() is running_mean:
+        return record
+    new = _GuardRecord(running_mean)
+    if record is None:
+        if len(alive) >= _sweep_at:
             _sweep()
-        record = _guard[key] = _GuardRecord(running_mean)
-    return record
+        _records.alive[key] = new
+    else:  # a dead tensor's id, taken by a new one: the dead one's record retires in the same step
+        _records = _Records({**alive, key: new}, deleted, (*dead, record))
+        _retire_dead()
+    return new
 
 
 @contextlib.contextmanager
@@ -253,7 +278,7 @@ def holding(running_mean: torch.Tensor) -> Iterator[None]:
     and takes one again after: torch's swap of a tensor's contents (``torch.utils.swap_tensors``)
     refuses a tensor that has one."""
     with _state.record_lock:
-        record = _guard.get(id(running_mean))
+        record = _records.alive.get(id(running_mean))
         if record is None or record.ref() is not running_mean:
             record = None
         else:
@@ -268,34 +293,35 @@ def holding(running_mean: torch.Tensor) -> Iterator[None]:
             record.ref = weakref.ref(running_mean)
 
 
-def _retire(record: _GuardRecord) -> None:
-    """Add a dead running mean's record to the one of its device in ``_deleted`` (once no graph is captured)."""
-    _dead.append(record)
-    if not capturing():
-        _retire_dead()
-
-
 def _retire_dead() -> None:
-    while _dead:
-        record = _dead.pop()
-        record.fold()
-        device = "" if record.device_kept is None else str(record.device_kept.device)
-        aggregate = _deleted.get(device)
-        if aggregate is None:
-            aggregate = _deleted[device] = _GuardRecord(None)
-        aggregate.absorb(record)
+    """Add the dead running means' records to those of their devices in ``deleted``, once no graph is captured."""
+    global _records
+    alive, deleted, dead = _records
+    if not dead or capturing():
+        return
+    by_device: Dict[str, List[_GuardRecord]] = {}
+    for record in (*deleted.values(), *dead):
+        kept, _ = record.fold()
+        by_device.setdefault("" if kept is None else str(kept.device), []).append(record)
+    _records = _Records(alive, {device: _added_up(records) for device, records in by_device.items()}, ())
 
 
 def _sweep() -> None:
-    """Fold the records of running means that died into ``_deleted``."""
-    global _sweep_at
-    if capturing():  # a later call sweeps
+    """Retire the records of running means that died (a later call does, while a graph is captured)."""
+    global _records, _sweep_at
+    if capturing():
         return
-    for key, record in list(_guard.items()):
-        if record.ref() is None:
-            del _guard[key]
-            _retire(record)
-    _sweep_at = max(_MIN_SWEEP, 2 * len(_guard))
+    alive, deleted, dead = _records
+    kept: Dict[int, _GuardRecord] = {}
+    died: List[_GuardRecord] = []
+    for key, record in alive.items():
+        if record.ref() is None:  # asked once: the tensor may die meanwhile, and is retired later
+            died.append(record)
+        else:
+            kept[key] = record
+    _records = _Records(kept, deleted, (*dead, *died))
+    _sweep_at = max(_MIN_SWEEP, 2 * len(kept))
+    _retire_dead()
 
 
 def skipped(running_mean: torch.Tensor) -> None:
@@ -317,11 +343,11 @@ def checked_on_device(running_mean: torch.Tensor, finite: torch.Tensor) -> None:
         return
     with _state.record_lock:
         record = _record_of(running_mean)
-        record.device_checks += 1
-        record.device_flags.append(finite)
+        flags = record.device[0]
+        flags.append(finite)
         if finite.is_cuda:
-            record.streams.add(_cuda.current_stream(finite.device))
-        if len(record.device_flags) == _FOLD:
+            record.streams |= {_cuda.current_stream(finite.device)}
+        if len(flags) == _FOLD:
             record.fold()
 
 
@@ -369,7 +395,7 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
     skips: Dict[str, int] = {}
     with _state.record_lock:
         _retire_dead()
-        for key, record in [*((None, r) for r in _deleted.values()), *_guard.items()]:
+        for key, record in [*((None, r) for r in _records.deleted.values()), *_records.alive.items()]:
             stat = record.ref()
             total = record.skips()
             if total:
@@ -430,12 +456,10 @@ def print_summary() -> None:
 
 
 def reset() -> None:
-    global _warned
+    global _records, _warned
     with _state.record_lock:
         ended, registered = _threads
         for counts in (ended, *(counts for _, counts in registered)):
             counts.clear()
-        _guard.clear()
-        _deleted.clear()
-        _dead.clear()
+        _records = _Records({}, {}, ())
         _warned = False

@@ -512,9 +512,9 @@ def test_instance_norm_keeps_one_guard_record_per_module(every_route):
     for _ in range(5):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             norm(x)
-    kept = list(_record._guard.values()) + list(_record._deleted.values())
+    kept = [*_record._records.alive.values(), *_record._records.deleted.values()]
     assert len(kept) <= 1 and all(record.ref() is norm.running_mean for record in kept)
-    assert sum(record.device_checks for record in kept) == (5 if every_route == "device" else 0)
+    assert sum(record.fold()[1] for record in kept) == (5 if every_route == "device" else 0)
 
 
 def test_instance_norm_without_a_batch_dimension_and_torch_errors():

@@ -193,11 +193,13 @@ def test_dead_records_are_not_folded_while_capturing(monkeypatch):
     # counts to the deleted ones is a device op, and waits until no graph is captured.
     monkeypatch.setattr(_record, "_FOLD", 1)
     first, second, newcomer = torch.zeros(3), torch.zeros(3), torch.zeros(3)
-    for stat in (first, second):
-        _record.checked_on_device(stat, torch.tensor(True))  # kept: one check, one kept, no skip
-    _record._retire(_record._guard.pop(id(first)))  # died, outside a capture
+    _record.checked_on_device(first, torch.tensor(True))  # kept: one check, one kept, no skip
+    _record.checked_on_device(second, torch.tensor(True))
+    del first
+    _record._sweep()  # outside a capture: the dead one's record is retired
     # Python hands the dead tensor's id to a new one (as in test_record).
-    _record._guard[id(newcomer)] = _record._guard.pop(id(second))
+    alive = _record._records.alive
+    alive[id(newcomer)] = alive.pop(id(second))
     with captured() as graph:
         _record.skipped(newcomer)  # decided on the host: counted now, as always
     for _ in range(3):

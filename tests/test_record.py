@@ -88,7 +88,8 @@ def test_a_deleted_modules_skips_survive_a_new_tensor_taking_its_id():
     del bn
     newcomer = nn.BatchNorm2d(8)
     # The id a new tensor would take, were Python to hand out the freed one again.
-    _record._guard[id(newcomer.running_mean)] = _record._guard.pop(dead_key)
+    alive = _record._records.alive
+    alive[id(newcomer.running_mean)] = alive.pop(dead_key)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         newcomer(image(bad=True)[:, :1].expand(4, 8, 16, 16).bfloat16())
         newcomer(image()[:, :1].expand(4, 8, 16, 16).bfloat16())
@@ -132,7 +133,7 @@ def test_device_decisions_are_summed_on_the_device_past_the_fold():
     for step in range(calls):
         finite = torch.tensor(step % 3 != 0)  # every third step skipped
         _record.checked_on_device(bn.running_mean, finite)
-    assert len(_record._record_of(bn.running_mean).device_flags) == 5
+    assert len(_record._record_of(bn.running_mean).device[0]) == 5
     assert amp_bn_fix.report(nn.Sequential(bn))["guard_skips"] == {"0": len(range(0, calls, 3))}
 
 
@@ -230,8 +231,8 @@ def test_what_is_kept_stays_bounded_when_the_stats_are_new_tensors_every_call(ev
         mean, var = torch.zeros(3), torch.ones(3)  # new tensors each call, dead after it
         with torch.autocast("cpu", dtype=torch.bfloat16):
             torch.nn.functional.batch_norm(poisoned if step % bad_every == 0 else x, mean, var, None, None, True)
-    assert len(_record._guard) <= 2 * _record._MIN_SWEEP
-    assert len(_record._deleted) <= 1
+    assert len(_record._records.alive) <= 2 * _record._MIN_SWEEP
+    assert len(_record._records.deleted) <= 1
     del mean, var
     assert amp_bn_fix.report()["guard_skips"] == {_record.DELETED: len(range(0, calls, bad_every))}
 
@@ -263,14 +264,14 @@ def test_flags_made_on_another_stream_are_summed_after_it(monkeypatch):
     # stream once it waits for the side stream, and the flags' memory is kept for the current one.
     side, current = _FakeStream("side"), _FakeStream("current")
     monkeypatch.setattr(_record, "_cuda", type("cuda", (), {"current_stream": staticmethod(lambda device: current)}))
-    flags, streams = [_FakeFlag(), _FakeFlag()], {side, current}
-    _record._after_streams(streams, flags)
+    flags = [_FakeFlag(), _FakeFlag()]
+    streams = _record._after_streams(frozenset({side, current}), flags)
     assert current.waited == ["side"] and side.waited == []
     assert [f.used_on for f in flags] == [["current"], ["current"]]
     assert streams == {current}  # the sum is written on the current stream from now on
     # Made on the current stream alone: nothing to wait for.
     more = [_FakeFlag()]
-    _record._after_streams(streams, more)
+    assert _record._after_streams(streams, more) == {current}
     assert current.waited == ["side"] and more[0].used_on == []
 
 
@@ -412,3 +413,35 @@ def test_a_report_stopped_half_way_leaves_every_call_counted_once(monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             amp_bn_fix.report()
     assert amp_bn_fix.report()["handled"] == {"fp32": 10}
+
+
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
+@pytest.mark.parametrize("stop_at", [1, 2, 3])
+def test_retiring_dead_records_stopped_half_way_loses_no_skip_and_counts_none_twice(monkeypatch, stop_at):
+    # The records of running means that died are added up per device (here at a sweep, as when the
+    # records have doubled); Ctrl-C or an error part-way leaves them to the next report, whole.
+    def decided(skips_on_host, flags):
+        stat = torch.zeros(3)
+        for _ in range(skips_on_host):
+            _record.skipped(stat)
+        for kept in flags:
+            _record.checked_on_device(stat, torch.tensor(kept))
+
+    decided(2, [False, True])  # 3 skips
+    decided(0, [False, False, False])  # 3 skips
+    decided(1, [])  # 1 skip
+    fold, folded = _record._GuardRecord.fold, []
+
+    def stopping(self):
+        folded.append(self)
+        if len(folded) == stop_at:
+            raise KeyboardInterrupt
+        return fold(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_record._GuardRecord, "fold", stopping)
+        with pytest.raises(KeyboardInterrupt):
+            _record._sweep()
+    assert amp_bn_fix.report()["guard_skips"] == {_record.DELETED: 7}
+    _record._sweep()
+    assert amp_bn_fix.report()["guard_skips"] == {_record.DELETED: 7}
