@@ -154,6 +154,20 @@ ENV_NAMES: Tuple[str, ...] = tuple(s.env for s in SETTINGS)
 CONFIG_NAMES: Tuple[str, ...] = tuple(s.name for s in SETTINGS if s.scope == "config")
 
 
+class _Sources(Dict[str, str]):
+    """Where each setting came from: a dict that refuses changes. Unlike a mapping proxy it is
+    copied and pickled like a dict, so a Config goes through ``copy.deepcopy``,
+    ``dataclasses.asdict`` and pickling (to a spawned process, say)."""
+
+    def _read_only(self, *args: object, **kwargs: object) -> Any:
+        raise TypeError("Config.sources is read-only: Config.replace() makes a config with other settings")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only  # type: ignore[assignment]
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return _Sources, (dict(self),)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     r"""The effective settings; ``sources`` says where each came from: ``"default"``, ``"env"`` or ``"API"``.
@@ -175,12 +189,12 @@ class Config:
     guard: bool = True
     # Read-only, and left out of hashing and comparison: two configs with the same settings are equal.
     sources: Mapping[str, str] = dataclasses.field(
-        default_factory=lambda: MappingProxyType(dict.fromkeys(CONFIG_NAMES, "default")), hash=False, compare=False
+        default_factory=lambda: _Sources(dict.fromkeys(CONFIG_NAMES, "default")), hash=False, compare=False
     )
 
     def replace(self, source: str = "API", **changes: object) -> "Config":
         """A copy with ``changes`` applied and recorded as coming from ``source``."""
-        sources = MappingProxyType({**self.sources, **dict.fromkeys(changes, source)})
+        sources = _Sources({**self.sources, **dict.fromkeys(changes, source)})
         return dataclasses.replace(self, sources=sources, **changes)  # type: ignore[arg-type]
 
     def describe(self, name: str) -> str:

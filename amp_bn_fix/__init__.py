@@ -343,16 +343,25 @@ def _imported_to_run_the_command() -> bool:
     ``-m`` imports a package before its ``__main__``, so nothing of the command can run first. The
     command checks the settings itself and reports each bad one as a line, without a traceback;
     only there may the import leave a bad setting to it. While ``-m`` imports the parents of the
-    module it runs, ``sys.argv[0]`` is ``"-m"``; ``sys.orig_argv`` names that module.
+    module it runs, ``sys.argv`` is ``"-m"`` and the arguments after that module: in
+    ``sys.orig_argv`` the one before them names it, alone (``-m name``, ``-Im name``) or at the end
+    of a bundle of options (``-mname``, ``-Imname``).
     """
-    if _sys.argv[:1] != ["-m"]:
+    argv, given = _sys.argv, getattr(_sys, "orig_argv", [])
+    at = len(given) - len(argv)
+    if argv[:1] != ["-m"] or at < 1 or given[at + 1:] != argv[1:]:
         return False
-    argv = getattr(_sys, "orig_argv", [])
-    for i, arg in enumerate(argv[1:], 1):
-        module = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:] if arg.startswith("-m") else None
-        if module is not None:
-            return module in (__name__, __name__ + ".__main__")
-    return False
+    module = given[at]
+    if module.startswith("-"):
+        for i, option in enumerate(module[1:], 2):
+            if option == "m":
+                module = module[i:]
+                break
+            if option in "cWX":  # an option whose value is the rest of the bundle
+                return False
+        else:
+            return False
+    return module in (__name__, __name__ + ".__main__")
 
 
 def _start() -> None:

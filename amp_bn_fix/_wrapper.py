@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import operator
@@ -20,6 +21,31 @@ class _ModuleByName:
         return importlib.import_module, (self.name,)
 
 
+class _BoundShimWrapper(wrapt.BoundFunctionWrapper):
+    """A shim wrapper looked up on an instance or a class (``bn._apply``, ``SyncBatchNorm.apply``),
+    copied and pickled as the method it stands for: ``getattr(holder, name)``, where ``holder`` is
+    what it was looked up on (a method's instance or class, or the class of a function looked up
+    on one), so it unpickles to whatever is installed there then.
+    """
+
+    def _holder(self) -> Any:
+        holder = getattr(self.__wrapped__, "__self__", None)
+        return self._self_owner if holder is None else holder
+
+    def __copy__(self) -> "_BoundShimWrapper":
+        return self
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Any:
+        # As a bound method's: the same method of a deep copy of its instance (a class is its own).
+        return getattr(copy.deepcopy(self._holder(), memo), self.__name__)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return getattr, (self._holder(), self.__name__)
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+
 class ShimWrapper(wrapt.FunctionWrapper):
     """wrapt's function wrapper, copied and pickled like the plain function it replaces.
 
@@ -29,6 +55,7 @@ class ShimWrapper(wrapt.FunctionWrapper):
     """
 
     _amp_bn_fix_wrapper = True
+    __bound_function_wrapper__ = _BoundShimWrapper
 
     def __init__(self, wrapped: Any, wrapper: Any, module_attribute: bool = False) -> None:
         if not module_attribute or not inspect.isfunction(wrapped):

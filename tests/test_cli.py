@@ -155,6 +155,15 @@ def test_python_dash_m_with_a_bad_setting_runs_the_commands_that_need_no_setting
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.parametrize("start", [["-um", "amp_bn_fix"], ["-mamp_bn_fix"], ["-Wdefault", "-bumamp_bn_fix"]],
+                         ids=["-um name", "-mname", "-bumname"])
+def test_python_dash_m_bundled_with_other_options_reports_a_bad_setting_as_one_line(start):
+    result = subprocess.run([sys.executable, *start, "demo"], env=child_env(AMP_BN_FIX_POLICY="fp33"),
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("amp-bn-fix: error: AMP_BN_FIX_POLICY='fp33' is not valid")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("start", ["-c", "-m"])
 def test_anywhere_else_the_import_raises_the_bad_setting(tmp_path, start):

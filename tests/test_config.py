@@ -1,7 +1,10 @@
 """The settings: the table, the environment's parsing and validation (torch-free), and the Python API."""
 
+import copy
+import dataclasses
 import inspect
 import os
+import pickle
 import subprocess
 import sys
 import typing
@@ -120,6 +123,25 @@ def test_config_is_immutable_and_hashable():
         config.sources["policy"] = "API"  # type: ignore[index]
     assert config.sources["policy"] == "env"
     assert hash(config) == hash(settings.Config(policy="input")) and config == settings.Config(policy="input")
+
+
+def test_config_and_the_previous_settings_copy_and_pickle_like_plain_values():
+    # Logged with dataclasses.asdict, deep-copied, handed to a spawned worker.
+    config = settings.from_env({"AMP_BN_FIX_POLICY": "input"}).replace(guard=False)
+    assert dataclasses.asdict(config) == {"policy": "input", "devices": None, "keep_fp32": "master", "guard": False,
+                                          "sources": {"policy": "env", "devices": "default",
+                                                      "keep_fp32": "default", "guard": "API"}}
+    for copied in (copy.deepcopy(config), pickle.loads(pickle.dumps(config))):
+        assert copied == config and copied.sources == config.sources
+        with pytest.raises(TypeError):
+            copied.sources["guard"] = "env"  # type: ignore[index]
+    previous = amp_bn_fix.configure(policy="autocast")
+    try:
+        for copied in (copy.deepcopy(previous), pickle.loads(pickle.dumps(previous))):
+            assert copied == dict(previous) and set(copied) == {"policy", "devices", "keep_fp32", "guard"}
+            assert copied.config == previous.config and copied.config.sources == previous.config.sources
+    finally:
+        amp_bn_fix.configure(**previous)
 
 
 # ------------------------------------------------------------------------------ the settings table

@@ -285,6 +285,29 @@ def test_pickles_are_byte_for_byte_plain_torchs_and_load_as_what_is_installed():
     assert loaded.func is F.batch_norm and loaded.keywords == {"momentum": 0.2}
 
 
+def test_the_other_patched_methods_copy_and_pickle_as_plain_torchs():
+    # The methods the shim wraps besides F.batch_norm, looked up on a module or a class, as code that
+    # copies or pickles a bound method (a callback, a functools.partial) does.
+    bn = nn.BatchNorm1d(3)
+    methods = {"bn._apply": lambda: bn._apply, "bn._load_from_state_dict": lambda: bn._load_from_state_dict,
+               "BatchNorm1d._apply": lambda: nn.BatchNorm1d._apply,
+               "SyncBatchNorm.apply": lambda: torch.nn.modules._functions.SyncBatchNorm.apply,
+               "CheckpointFunction.apply": lambda: torch.utils.checkpoint.CheckpointFunction.apply}
+
+    def function(method):  # a bound method's function, and the holder's type
+        return getattr(method, "__func__", method), type(getattr(method, "__self__", None))
+
+    for name, method in methods.items():
+        ours, theirs = method(), plain_torch(method)
+        assert ours is not theirs and function(ours.__wrapped__) == function(theirs), name  # the shim's wrapper
+        for copied in (copy.copy(ours), copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
+            assert function(copied.__wrapped__) == function(theirs), name
+        # By reference: plain torch loads it as its own.
+        assert function(plain_torch(lambda: pickle.loads(pickle.dumps(ours)))) == function(theirs), name
+    twin = copy.deepcopy(bn._apply)  # as a bound method's: bound to a copy of its module
+    assert type(twin.__self__) is nn.BatchNorm1d and twin.__self__ is not bn
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_ema_model_made_by_deepcopy_trains_and_pickles(training):
     def run():
