@@ -337,8 +337,8 @@ def apply_carrying_masters(
 ) -> torch.nn.Module:
     """Run ``module._apply`` as torch does, the running stats' FP32 master following the cast.
 
-    The module gets torch's tensors, of the dtypes torch gives. Cast to 16 bits from FP32 stats, the
-    new buffers get a master made from the FP32 values before the cast; moved (``.to(device)``) or
+    The module gets torch's tensors, of the dtypes torch gives. Cast to 16 bits from FP32 (or
+    float64) stats, the new buffers get a master made from their values before the cast; moved (``.to(device)``) or
     cast between 16-bit dtypes, they keep their master, moved along, and hold its rounding to their
     new dtype; cast back to FP32 or float64 (``.float()``, ``.double()``), they take the master's
     values instead of the rounded ones. Nothing happens for a device type left out.
@@ -351,8 +351,8 @@ def apply_carrying_masters(
     if mean is None or var is None or isinstance(mean, _UninitializedBuffer) or mean.is_meta:
         return original(*args, **kwargs)
     kept = peek(mean, var) if mean.dtype in LOW_PRECISION else None
-    if kept is None and mean.dtype is torch.float32 and var.dtype is torch.float32:
-        kept = torch.stack((mean.detach(), var.detach()))
+    if kept is None and mean.dtype in _WIDER and var.dtype is mean.dtype:
+        kept = torch.stack((mean.detach(), var.detach())).float()
     if kept is None:
         return original(*args, **kwargs)
 

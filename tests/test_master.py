@@ -267,6 +267,23 @@ def test_a_cast_back_to_a_wider_dtype_takes_the_master_s_values(both_routes, dty
     assert torch.equal(bn.running_mean, master[0].to(target)) and torch.equal(bn.running_var, master[1].to(target))
 
 
+@pytest.mark.parametrize("path", ["double", "half-double"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_a_cast_to_16_bits_from_float64_makes_a_master_too(both_routes, dtype, path):
+    # A float64 model cast to 16 bits (and a half model through float64 and back) gets its master
+    # as one cast from FP32 does: the FP32 values, beyond float16's range too.
+    bn = torch.nn.BatchNorm2d(C)
+    with torch.no_grad():
+        bn.running_mean.fill_(1.001)
+        bn.running_var.fill_(1e5)  # inf in float16
+    if path == "half-double":
+        bn.to(dtype)
+    bn.double().to(dtype)
+    expected = torch.stack((torch.full((C,), 1.001), torch.full((C,), 1e5)))
+    assert torch.equal(_master.peek(bn.running_mean, bn.running_var), expected)
+    assert torch.equal(bn.float().running_var, expected[1])
+
+
 @pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "half-model-alone"])
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_a_master_started_under_inference_mode_trains_on_after_it(both_routes, dtype, autocast):
