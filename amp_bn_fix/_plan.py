@@ -74,7 +74,8 @@ class Plan(NamedTuple):
     # dtype when the program runs is not known (see ``_compat.recorded_autocast_dtype``).
     recorded: bool = False
     # A half model's training call outside autocast: the output is torch's kernel's on the call as
-    # given (bit for bit plain torch's), and the shim's FP32 kernel only updates the master.
+    # given (bit for bit plain torch's), and the shim's FP32 kernel only updates the running stats
+    # (the master, or 16-bit stats through FP32 copies, rounded).
     torch_output: bool = False
 
 
@@ -284,6 +285,15 @@ def _plan_master_update(ask: Ask) -> Decision:
     return Plan(ask.call[0].dtype, _guarded(ask), "input", True, torch_output=True)
 
 
+def _rounded_update(ask: Ask) -> bool:
+    return bool(ask.call[5]) and _has_16_bit_stats(ask.call[1], ask.call[2])
+
+
+def _plan_rounded_update(ask: Ask) -> Decision:
+    # torch's own output, and the batch's FP32 statistics for the 16-bit stats, rounded into them.
+    return Plan(ask.call[0].dtype, _guarded(ask), "input", torch_output=True)
+
+
 def _plan_master_eval(ask: Ask) -> Decision:
     # Read only where float16 buffers overflowed that the master holds finite.
     return Deferred(Plan(ask.call[0].dtype, _guarded(ask), "input", True), _master.holds_more)
@@ -301,7 +311,7 @@ class Route(NamedTuple):
 
 # The decision, first match wins; a call no route takes is torch's. Outside autocast the caller chose
 # half precision, and the output is torch's own: a call torch computes as it is gets torch's kernel,
-# and a master its FP32 update.
+# and the running stats their FP32 update (a master's, or 16-bit stats' own, rounded).
 ROUTES = (
     Route("strict export's recorded region", _recorded, _plan_recorded),
     Route("torch's own", _torchs, _none),
@@ -310,6 +320,7 @@ ROUTES = (
     Route("an FP32 input outside autocast", _fp32_input, _none),
     Route("mixed dtypes", _mixed_dtypes, _plan_mixed),
     Route("a master's update", _master_update, _plan_master_update),
+    Route("16-bit stats' update without a master", _rounded_update, _plan_rounded_update),
     Route("a master's eval", _has_master, _plan_master_eval),
 )
 

@@ -11,6 +11,7 @@ by plain torch, for every keep mode: ``master`` and ``none`` must match plain to
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -302,12 +303,14 @@ BATCH_NORMS = {
 }
 
 
+@pytest.mark.parametrize("keep", ["master", "none"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("kind", list(BATCH_NORMS))
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
-def test_outside_autocast_a_half_model_computes_plain_torch_s_outputs(both_routes, dtype, kind, training):
-    # Bit for bit: the output and every gradient, in every memory format (the master keeps only
-    # the running-stat update, which no output shows).
+def test_outside_autocast_a_half_model_computes_plain_torch_s_outputs(both_routes, dtype, kind, training, keep):
+    # Bit for bit: the output and every gradient, in every memory format (the master, or with
+    # ``none`` the stats themselves, take only the running-stat update, which no output shows).
+    amp_bn_fix.configure(keep_fp32=keep)
     module, shape, layout = BATCH_NORMS[kind]
     torch.manual_seed(0)
     bn = module(5)
@@ -322,6 +325,7 @@ def test_outside_autocast_a_half_model_computes_plain_torch_s_outputs(both_route
     weight, bias = bn.weight.detach().clone().requires_grad_(), bn.bias.detach().clone().requires_grad_()
     x_plain = x.detach().clone().requires_grad_()
     expected = ORIGINAL(x_plain, *stats, weight, bias, training, 0.1, bn.eps)
+    handled = amp_bn_fix.report()["handled"].get("input", 0)
     out = bn(x)
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -329,8 +333,35 @@ def test_outside_autocast_a_half_model_computes_plain_torch_s_outputs(both_route
     assert out.dtype is dtype and torch.equal(out, expected)
     assert torch.equal(x.grad, x_plain.grad)
     assert torch.equal(bn.weight.grad, weight.grad) and torch.equal(bn.bias.grad, bias.grad)
-    if training:  # the update is the master's, FP32
-        assert _master.peek(bn.running_mean, bn.running_var) is not None
+    if training:  # the update is FP32: the master's, or the stats' own, rounded
+        assert (_master.peek(bn.running_mean, bn.running_var) is not None) is (keep == "master")
+        assert amp_bn_fix.report()["handled"].get("input", 0) == handled + 1
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "no-autocast"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_without_a_master_the_16_bit_stats_take_the_fp32_update_rounded_and_guarded(both_routes, dtype, autocast):
+    # keep_fp32="none": each update computed in FP32 from the 16-bit stats, rounded into them;
+    # a non-finite batch leaves them bit for bit, outside autocast as under it.
+    model = cast(conv_bn, "none", "half", dtype)
+    bn = model[1]
+    mean, var = bn.running_mean.double(), bn.running_var.double()
+    for x in _train(model, 20, dtype, autocast):
+        ref = fp64_batch_norm(x, mean, var, None, None, True, 0.1, 1e-5)
+        mean, var = ref.running_mean.to(dtype).double(), ref.running_var.to(dtype).double()
+    assert _master.peek(bn.running_mean, bn.running_var) is None and bn.running_mean.dtype is dtype
+    # The FP32 update rounds as the float64 one does, but at a rounding tie: one 16-bit step at most.
+    step = torch.finfo(dtype).eps
+    assert ((bn.running_mean.double() - mean).abs() <= step * mean.abs()).all()
+    assert ((bn.running_var.double() - var).abs() <= step * var.abs()).all()
+    before = bn.running_mean.clone(), bn.running_var.clone()
+    poisoned = torch.randn(4, 8, 8, 8).to(dtype)
+    poisoned[0, 0, 0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the guard's first skip
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            bn(poisoned)
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
 
 
 def test_outside_autocast_a_float16_model_whose_variance_overflowed_evaluates_with_its_master(both_routes):
