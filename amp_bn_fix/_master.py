@@ -386,16 +386,23 @@ def apply_carrying_masters(
 def cast_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     """The wrapper of ``_BatchNorm._apply``: casts keep BatchNorm FP32 as ``keep_fp32`` says (read per
     call), and stats that have a master carry it whatever the setting now (it applies to casts from
-    FP32: a model cast under ``master`` keeps its master)."""
+    FP32: a model cast under ``master`` keeps its master). The guard's record of the running mean
+    follows it to the tensor the cast puts in its place, so ``report(model)`` names its skips."""
     # What ``_BatchNorm`` inherits now, not the ``Module._apply`` wrapped when the shim was enabled:
     # a library or a spy that patched it since sees BatchNorm's casts too, as in plain torch.
     wrapped = super(torch.nn.modules.batchnorm._BatchNorm, instance)._apply
     config = _state.config
+    before = getattr(instance, "running_mean", None)
     if _state.policy() == "off":  # torch's own cast
-        return apply_keeping_fp32(wrapped, instance, args, kwargs, "none")
-    if config.keep_fp32 == "master" or _has_own_master(instance):
-        return apply_carrying_masters(wrapped, instance, args, kwargs, config.devices)
-    return apply_keeping_fp32(wrapped, instance, args, kwargs, config.keep_fp32, config.devices)
+        out = apply_keeping_fp32(wrapped, instance, args, kwargs, "none")
+    elif config.keep_fp32 == "master" or _has_own_master(instance):
+        out = apply_carrying_masters(wrapped, instance, args, kwargs, config.devices)
+    else:
+        out = apply_keeping_fp32(wrapped, instance, args, kwargs, config.keep_fp32, config.devices)
+    after = getattr(instance, "running_mean", None)
+    if after is not before and isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor):
+        _record.moved(before, after)
+    return out
 
 
 def _has_own_master(module: torch.nn.Module) -> bool:

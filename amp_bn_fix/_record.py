@@ -272,6 +272,24 @@ def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
     return new
 
 
+def moved(old: torch.Tensor, new: torch.Tensor) -> None:
+    """``new`` took the place of the running mean ``old`` (a cast): the record of ``old``, if any,
+    goes on as that of ``new``."""
+    global _records
+    with _state.record_lock:
+        alive, deleted, dead = _records
+        record = alive.get(id(old))
+        taken = alive.get(id(new))  # a dead tensor's, at the id the new one took
+        if record is None or record.ref() is not old or (taken is not None and taken.ref() is new):
+            return
+        kept = {key: other for key, other in alive.items() if key != id(old)}
+        kept[id(new)] = record
+        _records = _Records(kept, deleted, dead if taken is None else (*dead, taken))
+        record.ref = weakref.ref(new)
+        if taken is not None:
+            _retire_dead()
+
+
 @contextlib.contextmanager
 def holding(running_mean: torch.Tensor) -> Iterator[None]:
     """Within the block, the record of ``running_mean`` (if any) holds it without a weak reference,

@@ -97,6 +97,21 @@ def test_a_deleted_modules_skips_survive_a_new_tensor_taking_its_id():
     assert sum(skips.values()) == 2, skips  # (the two modules may share an address, and so a name)
 
 
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
+def test_a_module_s_skips_keep_its_name_through_casts():
+    # A cast puts new tensors in the module's buffers: its skips stay its own, named by its path.
+    net = nn.Sequential(nn.BatchNorm2d(8))
+    bad = image(bad=True)[:, :1].expand(4, 8, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        net(bad.bfloat16())
+    for cast in (net.bfloat16, net.float, net.half, net.float):
+        cast()
+        assert amp_bn_fix.report(net)["guard_skips"] == {"0": 1}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        net(bad.bfloat16())
+    assert amp_bn_fix.report(net)["guard_skips"] == {"0": 2}
+
+
 def test_guard_off_counts_no_skips():
     amp_bn_fix.configure(guard=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
