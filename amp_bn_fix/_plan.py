@@ -276,22 +276,14 @@ def _plan_mixed(ask: Ask) -> Decision:
     return Plan(ask.call[0].dtype, _guarded(ask), "input", _has_master(ask))
 
 
-def _master_update(ask: Ask) -> bool:
-    return bool(ask.call[5]) and _has_master(ask)
-
-
-def _plan_master_update(ask: Ask) -> Decision:
-    # torch's own output, and the batch's FP32 statistics for the master.
-    return Plan(ask.call[0].dtype, _guarded(ask), "input", True, torch_output=True)
-
-
-def _rounded_update(ask: Ask) -> bool:
+def _half_update(ask: Ask) -> bool:
     return bool(ask.call[5]) and _has_16_bit_stats(ask.call[1], ask.call[2])
 
 
-def _plan_rounded_update(ask: Ask) -> Decision:
-    # torch's own output, and the batch's FP32 statistics for the 16-bit stats, rounded into them.
-    return Plan(ask.call[0].dtype, _guarded(ask), "input", torch_output=True)
+def _plan_half_update(ask: Ask) -> Decision:
+    # torch's own output, and the batch's FP32 statistics for the master, or for the 16-bit stats
+    # themselves (through FP32 copies, rounded into them).
+    return Plan(ask.call[0].dtype, _guarded(ask), "input", _has_master(ask), torch_output=True)
 
 
 def _plan_master_eval(ask: Ask) -> Decision:
@@ -319,8 +311,7 @@ ROUTES = (
     Route("autocast", _autocast, _plan_autocast),
     Route("an FP32 input outside autocast", _fp32_input, _none),
     Route("mixed dtypes", _mixed_dtypes, _plan_mixed),
-    Route("a master's update", _master_update, _plan_master_update),
-    Route("16-bit stats' update without a master", _rounded_update, _plan_rounded_update),
+    Route("16-bit stats' update", _half_update, _plan_half_update),
     Route("a master's eval", _has_master, _plan_master_eval),
 )
 

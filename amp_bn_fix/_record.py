@@ -255,9 +255,8 @@ def _counted() -> _Counts:
 
 
 def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
-    global _records
     key = id(running_mean)
-    alive, deleted, dead = _records
+    alive = _records.alive
     record = alive.get(key)
     if record is not None and record.ref() is running_mean:
         return record
@@ -267,27 +266,31 @@ def _record_of(running_mean: torch.Tensor) -> _GuardRecord:
             _sweep()
         _records.alive[key] = new
     else:  # a dead tensor's id, taken by a new one: the dead one's record retires in the same step
-        _records = _Records({**alive, key: new}, deleted, (*dead, record))
-        _retire_dead()
+        _renew({**alive, key: new}, (record,))
     return new
+
+
+def _renew(alive: Dict[int, _GuardRecord], retiring: Tuple[_GuardRecord, ...]) -> None:
+    """The live records replaced by ``alive`` and ``retiring`` added to the dead ones, in one
+    assignment; then the dead ones retired (a later call does, while a graph is captured)."""
+    global _records
+    _records = _Records(alive, _records.deleted, (*_records.dead, *retiring))
+    _retire_dead()
 
 
 def moved(old: torch.Tensor, new: torch.Tensor) -> None:
     """``new`` took the place of the running mean ``old`` (a cast): the record of ``old``, if any,
     goes on as that of ``new``."""
-    global _records
     with _state.record_lock:
-        alive, deleted, dead = _records
+        alive = _records.alive
         record = alive.get(id(old))
         taken = alive.get(id(new))  # a dead tensor's, at the id the new one took
         if record is None or record.ref() is not old or (taken is not None and taken.ref() is new):
             return
         kept = {key: other for key, other in alive.items() if key != id(old)}
         kept[id(new)] = record
-        _records = _Records(kept, deleted, dead if taken is None else (*dead, taken))
         record.ref = weakref.ref(new)
-        if taken is not None:
-            _retire_dead()
+        _renew(kept, () if taken is None else (taken,))
 
 
 @contextlib.contextmanager
@@ -326,20 +329,18 @@ def _retire_dead() -> None:
 
 def _sweep() -> None:
     """Retire the records of running means that died (a later call does, while a graph is captured)."""
-    global _records, _sweep_at
+    global _sweep_at
     if capturing():
         return
-    alive, deleted, dead = _records
     kept: Dict[int, _GuardRecord] = {}
     died: List[_GuardRecord] = []
-    for key, record in alive.items():
+    for key, record in _records.alive.items():
         if record.ref() is None:  # asked once: the tensor may die meanwhile, and is retired later
             died.append(record)
         else:
             kept[key] = record
-    _records = _Records(kept, deleted, (*dead, *died))
     _sweep_at = max(_MIN_SWEEP, 2 * len(kept))
-    _retire_dead()
+    _renew(kept, tuple(died))
 
 
 def skipped(running_mean: torch.Tensor) -> None:
