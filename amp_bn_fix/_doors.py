@@ -195,9 +195,10 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
         decided = call = None
         # The calls a batch norm's would be the shim's (a 16-bit input, or an FP32 one next to 16-bit
         # tensors: a half model's InstanceNorm after its BatchNorm's FP32 output) with a batch
-        # dimension, and stats in eval: a malformed call gets torch's own error.
+        # dimension, and both stats or neither (both in eval): a malformed call gets torch's own error.
         if (shim_dtypes((input, running_mean, running_var, weight, bias)) and input.dim() >= 2
-                and (use_input_stats or (running_mean is not None and running_var is not None))):
+                and (running_mean is None) is (running_var is None)
+                and (use_input_stats or running_mean is not None)):
             n, c = input.shape[0], input.shape[1]
             mean_copies, var_copies = _repeat(running_mean, n), _repeat(running_var, n)
             x = input.contiguous().view((1, n * c) + tuple(input.shape[2:]))
@@ -218,10 +219,7 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
 def _average_copies(running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
                     mean_copies: Optional[torch.Tensor], var_copies: Optional[torch.Tensor], n: int, c: int) -> None:
     """ATen's update of InstanceNorm's stats, each the mean of its ``n`` updated copies, guarded."""
-    if running_mean is None or running_var is None:  # one statistic: nothing for the guard to pair
-        for stat, copies in ((running_mean, mean_copies), (running_var, var_copies)):
-            if stat is not None and copies is not None:
-                stat.copy_(copies.view(n, c).mean(0))
+    if running_mean is None or running_var is None:  # no stats (the door takes both or neither)
         return
     eager = untraced(running_mean, running_var)
     # Traced too (torch.compile, jit.trace): the guard's copies path is what tracers record.
