@@ -314,7 +314,8 @@ def test_bad_keep_value_names_the_allowed_ones():
 
 def test_disable_restores_torchs_cast_and_enable_brings_it_back():
     amp_bn_fix.disable()
-    assert "_apply" not in _BatchNorm.__dict__  # the very original: inherited from Module
+    # The very original: inherited from Module.
+    assert "_apply" not in _BatchNorm.__dict__ and "_apply" not in nn.modules.batchnorm._NormBase.__dict__
     assert _model()[1].half().running_mean.dtype == torch.float16
     amp_bn_fix.enable()
     assert _model()[1].half().running_mean.dtype == torch.float32
@@ -463,25 +464,26 @@ def test_a_patch_of_module_apply_made_after_the_shim_sees_batch_norm_casts_too(m
 
 
 @pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
-@pytest.mark.parametrize("model", ["half-model", "fp32-model-after-a-skip"])
+@pytest.mark.parametrize("model", ["half-model", "fp32-model-after-a-skip", "instance-norm-after-a-skip"])
 def test_load_state_dict_swapping_tensors_loads_batch_norm_stats(model):
     # torch's swap mode swaps the loaded tensors into the module's, and refuses a tensor with weak
     # references: the master's and the guard record's give way for the load.
     from amp_bn_fix import _master
 
     amp_bn_fix.configure(keep_fp32="master")
-    bn = nn.BatchNorm1d(4)
     if model == "half-model":
-        bn.half()
+        bn = nn.BatchNorm1d(4).half()
         with torch.autocast("cpu", dtype=torch.float16):
             bn(torch.randn(8, 4).half())
         assert _master.peek(bn.running_mean, bn.running_var) is not None
     else:
-        x = torch.randn(8, 4)
+        bn = nn.InstanceNorm1d(4, track_running_stats=True) if model.startswith("instance") else nn.BatchNorm1d(4)
+        x = torch.randn(8, 4, 3)
         x[0, 0] = float("inf")
         with torch.autocast("cpu", dtype=torch.bfloat16):
             bn(x.bfloat16())
     skips = amp_bn_fix.report(bn)["guard_skips"]
+    assert model == "half-model" or skips[type(bn).__name__] == 1
     dtype = bn.running_mean.dtype
     state = {name: value.clone() for name, value in bn.state_dict().items()}
     state["running_mean"], state["running_var"] = MEAN.to(dtype), VAR.to(dtype)

@@ -84,14 +84,14 @@ def test_a_wrapper_that_cannot_be_removed_stays_active_and_the_rest_come_back():
         with pytest.warns(RuntimeWarning, match="could not remove"):
             amp_bn_fix.disable()
         assert amp_bn_fix.is_enabled()  # the batch_norm wrapper is still there, and says so
-        assert "_apply" not in nn.modules.batchnorm._BatchNorm.__dict__
+        assert "_apply" not in nn.modules.batchnorm._NormBase.__dict__
         amp_bn_fix.enable()
         with amp_bn_fix.configure(keep_fp32="all"):  # the cast patch is back in place
             assert nn.BatchNorm1d(3).half().running_mean.dtype is torch.float32
     finally:
         F.batch_norm = inner
     amp_bn_fix.disable()
-    assert F.batch_norm is ORIGINAL and "_apply" not in nn.modules.batchnorm._BatchNorm.__dict__
+    assert F.batch_norm is ORIGINAL and "_apply" not in nn.modules.batchnorm._NormBase.__dict__
 
 
 def test_an_install_failing_part_way_leaves_nothing_untracked(monkeypatch):

@@ -1084,7 +1084,8 @@ def our_wrappers(owner, name):
 def test_reload_then_enable_wraps_once_and_disable_restores_the_original():
     originals = {
         "apply": wrapt.unwrapped(nn.modules._functions.SyncBatchNorm.apply),
-        "_apply": wrapt.unwrapped(nn.modules.batchnorm._BatchNorm._apply),
+        "_apply": wrapt.unwrapped(nn.modules.batchnorm._NormBase._apply),
+        "_load_from_state_dict": wrapt.unwrapped(nn.modules.batchnorm._NormBase._load_from_state_dict),
     }
     importlib.reload(_patch)  # what IPython's autoreload does on an edit
     try:
@@ -1094,8 +1095,9 @@ def test_reload_then_enable_wraps_once_and_disable_restores_the_original():
         amp_bn_fix.disable()
         assert F.batch_norm is ORIGINAL
         assert nn.modules._functions.SyncBatchNorm.apply == originals["apply"]
-        assert "_apply" not in nn.modules.batchnorm._BatchNorm.__dict__
-        assert nn.modules.batchnorm._BatchNorm._apply is originals["_apply"]
+        assert "_apply" not in nn.modules.batchnorm._NormBase.__dict__
+        for name in ("_apply", "_load_from_state_dict"):
+            assert getattr(nn.modules.batchnorm._NormBase, name) is originals[name]
         with autocast():
             assert F.batch_norm(image().to(BF16), None, None, training=True).dtype is BF16
     finally:

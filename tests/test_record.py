@@ -1,5 +1,6 @@
 """What the shim did: calls handled per policy, passed through, guard skips per module (``report()``)."""
 
+import functools
 import subprocess
 import sys
 import threading
@@ -98,9 +99,11 @@ def test_a_deleted_modules_skips_survive_a_new_tensor_taking_its_id():
 
 
 @pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
-def test_a_module_s_skips_keep_its_name_through_casts():
+@pytest.mark.parametrize("norm", [nn.BatchNorm2d, functools.partial(nn.InstanceNorm2d, track_running_stats=True)],
+                         ids=["BatchNorm2d", "InstanceNorm2d"])
+def test_a_module_s_skips_keep_its_name_through_casts(norm):
     # A cast puts new tensors in the module's buffers: its skips stay its own, named by its path.
-    net = nn.Sequential(nn.BatchNorm2d(8))
+    net = nn.Sequential(norm(8))
     bad = image(bad=True)[:, :1].expand(4, 8, 16, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         net(bad.bfloat16())
