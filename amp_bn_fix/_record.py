@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -433,7 +434,10 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
 
 def summary() -> str:
     """One line: what :func:`snapshot` holds."""
-    record = snapshot()
+    return _line(snapshot())
+
+
+def _line(record: Dict[str, Any]) -> str:
     per_policy = ", ".join(f"{n} {p}" for p, n in sorted(record["handled"].items())) or "none"
     skips = sum(record["guard_skips"].values())
     where = f" ({', '.join(f'{n} in {m}' for m, n in record['guard_skips'].items())})" if skips else ""
@@ -455,26 +459,55 @@ def _rank() -> Optional[str]:
 
 
 def summary_at_exit() -> None:
-    """Write :func:`summary` to stderr at exit (``AMP_BN_FIX_REPORT=1``), once however often asked."""
+    """Write :func:`summary` to stderr at exit (``AMP_BN_FIX_REPORT=1``), once however often asked.
+
+    At the interpreter's exit (atexit), and where a ``multiprocessing`` child ends: one started by
+    fork or forkserver ends with ``os._exit`` after its finalizers, which skips atexit.
+    """
     global _summary_registered
     with _state.record_lock:
         if not _summary_registered:
             atexit.register(print_summary)
+            _finalize_with_the_child(None)  # this process may be such a child already
+            multiprocessing.util.register_after_fork(_summary_registered_at, _finalize_with_the_child)
             _summary_registered = True
 
 
+def _finalize_with_the_child(_: object) -> None:
+    # The lowest priority: after the child's other finalizers. A process that also runs atexit
+    # writes the line once (print_summary).
+    multiprocessing.util.Finalize(None, print_summary, exitpriority=-(2 ** 31))
+
+
+class _Token:
+    """What ``multiprocessing.util.register_after_fork`` keeps the summary's registration under."""
+
+
 _summary_registered = False
+_summary_registered_at = _Token()
+# The process that wrote the summary (a forked child inherits the parent's value, and writes its own).
+_summary_written_by: Optional[int] = None
 
 
 def print_summary() -> None:
-    """Write :func:`summary` to stderr (registered with atexit by ``AMP_BN_FIX_REPORT=1``)."""
+    """Write :func:`summary` to stderr, once per process (registered by ``AMP_BN_FIX_REPORT=1``).
+
+    A ``multiprocessing`` child where the shim saw no call (a DataLoader worker) writes nothing.
+    """
+    global _summary_written_by
+    if _summary_written_by == os.getpid():
+        return
+    _summary_written_by = os.getpid()
     try:
-        sys.stderr.write(summary() + "\n")
+        record = snapshot()
+        if multiprocessing.parent_process() is None or record["handled"] or record["passed_through"]:
+            sys.stderr.write(_line(record) + "\n")
     except Exception:  # a process in its last breath: the summary is not worth a traceback
         pass
 
 
 def reset() -> None:
+    """Forget every count and guard record: the record of this process starts again."""
     global _records, _warned
     with _state.record_lock:
         ended, registered = _threads
@@ -482,3 +515,10 @@ def reset() -> None:
             counts.clear()
         _records = _Records({}, {}, ())
         _warned = False
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    # A forked child (a DataLoader worker, a multiprocessing child) counts what it does itself: what
+    # the parent did is the parent's to report. Registered after ``_state``'s, which gives the
+    # child locks of its own first; the parent's devices' tensors are not the child's to read.
+    os.register_at_fork(after_in_child=reset)

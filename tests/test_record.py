@@ -1,6 +1,7 @@
 """What the shim did: calls handled per policy, passed through, guard skips per module (``report()``)."""
 
 import functools
+import os
 import subprocess
 import sys
 import threading
@@ -187,6 +188,45 @@ def test_a_summary_line_at_exit():
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "amp_bn_fix: calls handled: 1 fp32; passed through: 0; guard skips: 0")
+
+
+_CHILDREN = """
+import os, sys, torch, multiprocessing as mp
+import amp_bn_fix
+
+def calls(n):
+    bn = torch.nn.BatchNorm1d(4)
+    for _ in range(n):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bn(torch.randn(3, 4, dtype=torch.bfloat16))
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    calls(5)
+    for start in ("fork", "forkserver", "spawn"):
+        for n in (2, 0):  # a child that makes no call (a DataLoader worker) writes no line
+            child = mp.get_context(start).Process(target=calls, args=(n,))
+            child.start()
+            child.join()
+            assert child.exitcode == 0
+    if os.fork() == 0:  # a plain fork's child counts its own calls, not the parent's
+        calls(1)
+        sys.exit(0)
+    os.wait()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_each_child_process_writes_its_own_summary_line(tmp_path):
+    # Children started by fork and forkserver end with os._exit, which skips atexit.
+    script = tmp_path / "children.py"
+    script.write_text(_CHILDREN)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=child_env(AMP_BN_FIX_REPORT="1", OMP_NUM_THREADS="1"), timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    line = "amp_bn_fix: calls handled: {} fp32; passed through: 0; guard skips: 0"
+    assert result.stderr.strip().splitlines() == [line.format(n) for n in (2, 2, 2, 1, 5)]
 
 
 def test_a_reload_keeps_the_settings_and_the_one_summary_at_exit():
