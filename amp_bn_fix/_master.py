@@ -360,15 +360,15 @@ def apply_carrying_masters(
     def carrying_fn(tensor: torch.Tensor) -> torch.Tensor:
         result = fn(tensor)
         # A cast that leaves a buffer where it is (to its own device or dtype, ``share_memory()``)
-        # leaves it: the same object, shared memory and all, as in plain torch.
-        if result is tensor or not (tensor is mean or tensor is var) or result.is_meta:
+        # leaves it: the same object, shared memory and all, as in plain torch. Onto a device type
+        # left out, torch's own cast.
+        if (result is tensor or not (tensor is mean or tensor is var) or result.is_meta
+                or tensor.dtype not in LOW_PRECISION or (devices is not None and result.device.type not in devices)):
             return result
-        if result.dtype in _WIDER and tensor.dtype in LOW_PRECISION:
-            # Back to FP32 (or float64): the master's values, not the rounded ones.
-            return kept[0 if tensor is mean else 1].to(result.device, result.dtype, copy=True)
-        if result.dtype in LOW_PRECISION and tensor.dtype in LOW_PRECISION and (devices is None or result.device.type in devices):
-            # Between 16-bit dtypes: the master rounded to the new one (a master holds while its
-            # buffers hold its rounding), not the old rounding cast again.
+        if result.dtype in _WIDER or result.dtype in LOW_PRECISION:
+            # Back to FP32 (or float64): the master's values, not the rounded ones. Between 16-bit
+            # dtypes: the master rounded to the new one (a master holds while its buffers hold its
+            # rounding), not the old rounding cast again.
             return kept[0 if tensor is mean else 1].to(result.device, result.dtype, copy=True)
         return result
 

@@ -267,6 +267,21 @@ def test_a_cast_back_to_a_wider_dtype_takes_the_master_s_values(both_routes, dty
     assert torch.equal(bn.running_mean, master[0].to(target)) and torch.equal(bn.running_var, master[1].to(target))
 
 
+@pytest.mark.parametrize("cast", ["float", "double", "other-16-bit"])
+@pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
+def test_a_cast_onto_a_device_type_left_out_is_torchs_own(both_routes, dtype, cast):
+    # configuration.md: casts onto a device type left out of AMP_BN_FIX_DEVICES are torch's own,
+    # back to a wider dtype too (the rounded values, widened), whatever master the stats have.
+    bn = _model(dtype)
+    assert _master.peek(bn.running_mean, bn.running_var) is not None
+    target = {"float": torch.float32, "double": torch.float64,
+              "other-16-bit": torch.bfloat16 if dtype is torch.float16 else torch.float16}[cast]
+    expected = bn.running_mean.to(target), bn.running_var.to(target)
+    amp_bn_fix.configure(devices=["cuda"])
+    bn.to(target)
+    assert torch.equal(bn.running_mean, expected[0]) and torch.equal(bn.running_var, expected[1])
+
+
 @pytest.mark.parametrize("path", ["double", "half-double"])
 @pytest.mark.parametrize("dtype", HALF, ids=["fp16", "bf16"])
 def test_a_cast_to_16_bits_from_float64_makes_a_master_too(both_routes, dtype, path):
