@@ -70,7 +70,7 @@ def begin(mean: torch.Tensor, var: torch.Tensor, *, guard: bool, eager: bool, ho
         work = _joined(mean, var).view(2, *mean.shape)
         work_mean, work_var = work.unbind()
         return work_mean, work_var, (_DEVICE, (work, rows_of))
-    return _working_copy(mean), _working_copy(var), (_COPIES, guard)
+    return _working_copy(mean), _working_copy(var), (_COPIES, (guard, host and eager))
 
 
 def joinable(mean: torch.Tensor, var: torch.Tensor) -> bool:
@@ -159,13 +159,20 @@ def _working_copy(stat: torch.Tensor) -> torch.Tensor:
 
 
 def _write_back(mean: torch.Tensor, var: torch.Tensor, new_mean: torch.Tensor, new_var: torch.Tensor,
-                guard: bool, eager: bool, counted_for: torch.Tensor) -> None:
-    """Copy the updated working copies into the stats (only if finite, with ``guard``).
+                how: Tuple[bool, bool], eager: bool, counted_for: torch.Tensor) -> None:
+    """Copy the updated working copies into the stats (only if finite, with ``how``'s guard).
 
-    Outside plain eager mode (tracers, ``torch.func`` transforms, where ``.data`` is invisible or
-    forbidden) an ordinary in-place copy, which every tracer records as a buffer update.
+    ``how``: whether to guard, and whether the decision is read on the host (plain eager mode on
+    the host route: counted, and the first skip warned, as the host form's); else a select on the
+    device. Outside plain eager mode (tracers, ``torch.func`` transforms, where ``.data`` is
+    invisible or forbidden) an ordinary in-place copy, which every tracer records as a buffer update.
     """
-    if guard:
+    guard, host = how
+    if guard and host:
+        if not host_finite(new_mean, new_var):
+            _record.skipped(counted_for)
+            return
+    elif guard:
         # A select on the device, no host sync: a non-finite batch leaves the stats as they were.
         finite = _all_finite(torch.cat((new_mean, new_var)))
         new_mean = torch.where(finite, new_mean, mean.to(_F32))
@@ -174,4 +181,3 @@ def _write_back(mean: torch.Tensor, var: torch.Tensor, new_mean: torch.Tensor, n
             _record.checked_on_device(counted_for, finite)
     for stat, value in ((mean, new_mean), (var, new_var)):
         (stat.data if eager else stat).copy_(value)
-

@@ -57,8 +57,12 @@ def test_a_call_that_raises_is_not_counted_as_handled(spelling):
     assert amp_bn_fix.report()["handled"] == {}
 
 
-def test_guard_skips_are_counted_per_module_and_warned_once(every_route):
+@pytest.mark.parametrize("stats", ["fp32", "16-bit-without-master"])
+def test_guard_skips_are_counted_per_module_and_warned_once(every_route, stats):
     net = model()
+    if stats != "fp32":  # the guard's FP32 copies of the stats, rounded into them
+        amp_bn_fix.configure(keep_fp32="none")
+        net.bfloat16()
     # A skip decided on the host is warned at once; one decided on a device is not known there
     # until the report reads the counters.
     first_skip = (
