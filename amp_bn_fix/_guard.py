@@ -9,7 +9,8 @@ and brings it to the caller's stats. One form per place the decision can be made
 * device (CUDA, or CPU under ``amp_bn_fix.testing.device_route()``): nothing is read on the host.
   A stacked FP32 copy is updated; one reduction decides on the device and two selects write it back.
 * copies (16-bit stats without a master, tracers, ``torch.func`` transforms): FP32 copies, written
-  back with ordinary in-place ops that every tracer records as buffer updates, behind a select.
+  back with ordinary in-place ops that every tracer records as buffer updates, behind a select
+  (in plain eager mode on the host route, behind a decision read there, as the host form's).
 
 FP32 stats with the guard off are updated as they are: torch's own update. The guard needs no
 ``torch.no_grad()`` (a microsecond a call): the plan leaves stats that require grad to torch.
