@@ -19,6 +19,7 @@ import torch
 from _amp_bn_fix_boot.settings import Config
 
 from . import _compat, _dispatch, _state
+from ._frames import stacklevel_outside
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -185,20 +186,14 @@ def set_scopes(scopes: Tuple[_state.Scope, ...]) -> None:
 def _warn_compiled_scope(policy: str, compiled: Set[str]) -> None:
     global _warned_compiled_scope
     _warned_compiled_scope = True
-    # Attributed to the first frame outside the scopes' machinery (this module, contextlib, an event
-    # loop): the user's ``with`` line, the call of a decorated function or generator, the line that
-    # runs a decorated coroutine.
-    level, frame = 1, sys._getframe()
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(_SCOPE_MACHINERY):
-        level, frame = level + 1, frame.f_back
     warnings.warn(
         f"amp_bn_fix: the policy in force here, {policy!r}, does not reach code torch.compile has "
         f"already compiled (under {', '.join(sorted(compiled))}): compiled functions keep the policy "
         "they were compiled under, inside and outside the policy() block they were compiled in. Call "
         "compiled code under that policy, or call torch.compiler.reset() to recompile.",
         RuntimeWarning,
-        stacklevel=level,
+        # The first frame outside the scopes' machinery (this module, contextlib, an event loop):
+        # the user's ``with`` line, the call of a decorated function or generator, the line that
+        # runs a decorated coroutine.
+        stacklevel=stacklevel_outside(__name__, "contextlib", "asyncio"),
     )
-
-
-_SCOPE_MACHINERY = (__name__, "contextlib", "asyncio")

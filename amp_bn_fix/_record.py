@@ -36,6 +36,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, S
 import torch
 
 from . import _state
+from ._frames import stacklevel_outside
 
 
 class _Counts:
@@ -388,7 +389,8 @@ def _warn_first_skip(running_mean: torch.Tensor, record: _GuardRecord) -> None:
         "(inf or NaN). Further skips are counted, not reported: see amp_bn_fix.report(model), which names "
         "the module",
         RuntimeWarning,
-        stacklevel=2,
+        # The user's line: the call of the model (or the layer) the skip happened in.
+        stacklevel=stacklevel_outside("amp_bn_fix", "torch"),
     )
 
 
