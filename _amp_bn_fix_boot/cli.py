@@ -19,7 +19,7 @@ import argparse
 import difflib
 import os
 import sys
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Union
 
 from . import settings
 from .names import BOOTSTRAP_DIR, COMMAND, ENV_ENABLE
@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
         self._words = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
-    def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]
+    def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments:"):
             for word in message.split(":", 1)[1].split():
                 hint = self._hint(word.split("=", 1)[0]) if word.startswith("-") else None

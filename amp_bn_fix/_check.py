@@ -17,7 +17,7 @@ from _amp_bn_fix_boot import settings
 from _amp_bn_fix_boot._version import __version__
 
 from . import _patch, _state
-from ._demo import autocast_devices, cases, expected_output, report_network
+from ._demo import expected_output, report_network
 
 
 # What has run where, said wherever a GPU user meets the package (README, FAQ, compatibility.md).

@@ -13,7 +13,7 @@ from _amp_bn_fix_boot import settings
 from _amp_bn_fix_boot import status as startup
 from _amp_bn_fix_boot.names import ENV_ENABLE
 
-from . import _check, _demo, _patch, _state
+from . import _check, _demo, _state
 
 REPORT = "the bug report pytorch#88929"
 
@@ -94,7 +94,7 @@ def check(args: Optional[argparse.Namespace] = None) -> int:
     status = startup.gather()
     print("versions:")
     print(_indent(_fields(_check.versions())))
-    print(f"\nautocast devices: {', '.join(_check.autocast_devices())}")
+    print(f"\nautocast devices: {', '.join(_demo.autocast_devices())}")
     gpu = _check.gpu_status()
     if gpu is not None:
         print(f"\nGPU status: {gpu}")
@@ -116,7 +116,7 @@ def check(args: Optional[argparse.Namespace] = None) -> int:
     print(_indent(startup.summary(status)))
     broken = status.broken or (status.will_enable and fresh.enabled is not True)
     print("\nself-test (Linear -> BatchNorm1d -> Linear under autocast, the settings above):")
-    results = [_check.self_test(device, dtype) for device, dtype in _check.cases()]
+    results = [_check.self_test(device, dtype) for device, dtype in _demo.cases()]
     rows = [[r.device, _check.dtype_name(r.dtype), "ok" if r.ok else "FAIL", r.detail] for r in results]
     print(_indent(_format_table(["device", "autocast", "result", "detail"], rows)))
     return 0 if all(r.ok for r in results) and not broken else 1

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, Dict, Iterator, List
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-import amp_bn_fix
-from _harness import OFF, ON, Bench, Skip, device_path, settings, shim
+from _harness import OFF, ON, Bench, Skip, device_path, settings
 from _models import by_hand_fp32, count_bn, grads_like, half_input, tiny_convnet, train_step
 from _traffic import NATIVE, count_call
 

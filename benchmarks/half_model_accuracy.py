@@ -69,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     steps = parser.parse_args().steps
-    print(f"| dtype | keep_fp32 | running var, rel. error | running mean, abs. error | master var, rel. error |")
+    print("| dtype | keep_fp32 | running var, rel. error | running mean, abs. error | master var, rel. error |")
     print("|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float16):
         for keep in (None, *MODES):

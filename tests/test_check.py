@@ -16,7 +16,7 @@ from _amp_bn_fix_boot import cli as launcher
 from _bounds import assert_near
 from _builders import fp64_batch_norm
 from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env
-from amp_bn_fix import _check
+from amp_bn_fix import _check, _demo
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -232,8 +232,8 @@ def test_the_docs_give_no_other_spelling_of_check():
 def test_check_states_what_has_run_on_a_gpu_where_cuda_is_present(capsys, monkeypatch):
     # CUDA faked: the status line is the point; the self-test keeps to the CPU this machine has.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(_check, "autocast_devices", lambda: ["cpu", "cuda"])
-    monkeypatch.setattr(_check, "cases", lambda: iter([("cpu", torch.bfloat16)]))
+    monkeypatch.setattr(_demo, "autocast_devices", lambda: ["cpu", "cuda"])
+    monkeypatch.setattr(_demo, "cases", lambda: iter([("cpu", torch.bfloat16)]))
     code, out = check(capsys)
     assert code == 0
     assert f"GPU status: {_check.GPU_STATUS}" in out

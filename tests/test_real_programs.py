@@ -1217,7 +1217,7 @@ class Fp32IslandInsideAutocast(nn.Module):
                 return self.net[1](y.float())
 
 
-def outcome(fn):
+def result_or_error(fn):
     """``fn()``'s result, or its error as (type, message)."""
     try:
         return fn()
@@ -1237,7 +1237,7 @@ def test_export_of_an_fp32_island_inside_autocast(strict):
         model = Fp32IslandInsideAutocast().eval()
         return torch.export.export(model, (x,), strict=strict).module()(x)
 
-    ours, plain = outcome(exported), plain_torch(lambda: outcome(exported))
+    ours, plain = result_or_error(exported), plain_torch(lambda: result_or_error(exported))
     if isinstance(plain, tuple):
         assert ours[0] is plain[0]
         return
