@@ -85,6 +85,16 @@ def test_guard_skips_are_counted_per_module_and_warned_once(every_route, stats):
     assert sorted(unnamed.values()) == [2, 2] and all(name.startswith("the running stats of 8 channels at 0x") for name in unnamed)
 
 
+def test_the_first_skip_warning_names_the_line_that_runs_a_traced_model(every_route):
+    # The code torch.fx generates is part of the model's call, not the user's line.
+    traced = torch.fx.symbolic_trace(model())
+    with warnings.catch_warnings(record=True) as caught, torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("always")
+        traced(image(bad=True))
+    expected = [] if every_route == "device" else [__file__]  # the device's decisions are not read
+    assert [warning.filename for warning in caught if "guard left" in str(warning.message)] == expected
+
+
 def test_a_deleted_modules_skips_survive_a_new_tensor_taking_its_id():
     """Python reuses the ids of dead objects: a new running mean at a deleted one's id starts its
     own record, and the deleted module's skips still count."""
