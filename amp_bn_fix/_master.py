@@ -26,7 +26,7 @@ buffers live, ``disable()`` included. A captured call that finds no master makes
 nothing until a training call's check fills it, at the first replay (or at an eager call before
 it): the captured graph never seeds it again from the rounded buffers.
 
-The cast hook (``_NormBase._apply``, patched by ``_patch``) carries masters along, so
+The cast hook (``_BatchNorm._apply``, patched by ``_patch``) carries masters along, so
 ``.to(device)`` and ``.float()`` lose nothing; with ``keep_fp32`` ``all`` or ``stats`` it keeps the
 module's own tensors FP32 instead (:func:`apply_keeping_fp32`).
 """
@@ -49,7 +49,7 @@ _F32 = torch.float32
 # The dtypes a cast from 16 bits takes the master's values into.
 _WIDER = (torch.float32, torch.float64)
 _UninitializedBuffer = torch.nn.parameter.UninitializedBuffer
-_NormBase, _BatchNorm = torch.nn.modules.batchnorm._NormBase, torch.nn.modules.batchnorm._BatchNorm
+_BatchNorm, _InstanceNorm = torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm
 
 
 class _Master:
@@ -385,17 +385,22 @@ def apply_carrying_masters(
 
 
 def cast_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    """The wrapper of ``_NormBase._apply`` (BatchNorm and InstanceNorm). BatchNorm's casts keep it
+    """The wrapper of ``_BatchNorm._apply`` and ``_InstanceNorm._apply``. BatchNorm's casts keep it
     FP32 as ``keep_fp32`` says (read per call), and stats that have a master carry it whatever the
     setting now (it applies to casts from FP32: a model cast under ``master`` keeps its master).
     Both keep the guard's record of the running mean: it follows it to the tensor the cast puts in
     its place, so ``report(model)`` names its skips."""
-    # What ``_NormBase`` inherits now, not the ``Module._apply`` wrapped when the shim was enabled:
-    # a library or a spy that patched it since sees the norms' casts too, as in plain torch.
-    wrapped = super(_NormBase, instance)._apply
+    batch_norm = isinstance(instance, _BatchNorm)
+    if getattr(wrapped, "__wrapped__", None) is None:
+        # What the class inherits now, not the ``Module._apply`` wrapped when the shim was enabled:
+        # a library or a spy that patched it since sees the norms' casts too, as in plain torch. A
+        # library's wrapper of the class's own, under the shim's, is called as it is.
+        wrapped = super(_BatchNorm if batch_norm else _InstanceNorm, instance)._apply
+    if not _state.active:  # a reference kept after disable() (another library's wrapper holds it)
+        return wrapped(*args, **kwargs)
     config = _state.config
     before = getattr(instance, "running_mean", None)
-    if not isinstance(instance, _BatchNorm) or _state.policy() == "off":  # torch's own cast
+    if not batch_norm or _state.policy() == "off":  # torch's own cast
         out = wrapped(*args, **kwargs)
     elif config.keep_fp32 == "master" or _has_own_master(instance):
         out = apply_carrying_masters(wrapped, instance, args, kwargs, config.devices)
@@ -413,10 +418,11 @@ def _has_own_master(module: torch.nn.Module) -> bool:
 
 
 def load_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    """The wrapper of ``_NormBase._load_from_state_dict`` (BatchNorm and InstanceNorm). Where torch
-    swaps the loaded tensors into the module's (``torch.__future__.set_swap_module_params_on_conversion(True)``),
-    it refuses a tensor with weak references: the shim's, of a master and of a guard record, give
-    way for the load. A master then finds the loaded values at the next call, and starts again from them."""
+    """The wrapper of ``_BatchNorm._load_from_state_dict`` and ``_InstanceNorm._load_from_state_dict``.
+    Where torch swaps the loaded tensors into the module's
+    (``torch.__future__.set_swap_module_params_on_conversion(True)``), it refuses a tensor with weak
+    references: the shim's, of a master and of a guard record, give way for the load. A master then
+    finds the loaded values at the next call, and starts again from them."""
     if not torch.__future__.get_swap_module_params_on_conversion():
         return wrapped(*args, **kwargs)
     mean, var = _stats_of(instance)

@@ -1,7 +1,7 @@
 """Install and remove the patches: one list of them, walked under the state's lock.
 
 The patched entries are the doors (``_doors``: ``F.batch_norm``, ``SyncBatchNorm.apply``), the
-dispatcher door's registration (``_dispatch``), the cast hook (``_NormBase._apply``, ``_master``)
+dispatcher door's registration (``_dispatch``), the norms' cast and load hooks (``_master``)
 and activation checkpointing's two implementations, whose recompute keeps the forward's scopes
 (``_checkpoint``). Each is a :class:`Patch`; :func:`install` and :func:`uninstall` decide which to
 apply or remove, and what follows from it (the state's ``active`` flag, the compile caches' key,
@@ -114,9 +114,11 @@ class WraptPatch:
 # Every patch the shim applies, installed in this order and removed in the reverse one.
 PATCHES: Tuple[Patch, ...] = (
     WraptPatch(torch.nn.functional, "batch_norm", _doors.batch_norm),
-    # BatchNorm's and InstanceNorm's casts and loads (their base class's).
-    WraptPatch(torch.nn.modules.batchnorm._NormBase, "_apply", _master.cast_hook),
-    WraptPatch(torch.nn.modules.batchnorm._NormBase, "_load_from_state_dict", _master.load_hook),
+    # BatchNorm's and InstanceNorm's casts and loads, each on its own class: a library's wrapper
+    # of either sits around the shim's or under it, never beside it.
+    *(WraptPatch(norm, attribute, hook)
+      for norm in (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
+      for attribute, hook in (("_apply", _master.cast_hook), ("_load_from_state_dict", _master.load_hook))),
     WraptPatch(torch.nn.modules._functions.SyncBatchNorm, "apply", _doors.sync_batch_norm),
     # Activation checkpointing's recompute keeps the policy() scopes of its forward.
     WraptPatch(torch.utils.checkpoint, _checkpoint.GENERATOR, _checkpoint.without_reentrant),

@@ -315,7 +315,7 @@ def test_bad_keep_value_names_the_allowed_ones():
 def test_disable_restores_torchs_cast_and_enable_brings_it_back():
     amp_bn_fix.disable()
     # The very original: inherited from Module.
-    assert "_apply" not in _BatchNorm.__dict__ and "_apply" not in nn.modules.batchnorm._NormBase.__dict__
+    assert "_apply" not in _BatchNorm.__dict__ and "_apply" not in nn.modules.instancenorm._InstanceNorm.__dict__
     assert _model()[1].half().running_mean.dtype == torch.float16
     amp_bn_fix.enable()
     assert _model()[1].half().running_mean.dtype == torch.float32

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import wrapt
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -64,8 +65,6 @@ def test_enable_is_idempotent_one_wrapper():
 
 
 def test_disable_removes_only_our_wrapper():
-    import wrapt
-
     other = wrapt.wrap_function_wrapper(F, "batch_norm", lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
     try:
         amp_bn_fix.disable()
@@ -84,14 +83,45 @@ def test_a_wrapper_that_cannot_be_removed_stays_active_and_the_rest_come_back():
         with pytest.warns(RuntimeWarning, match="could not remove"):
             amp_bn_fix.disable()
         assert amp_bn_fix.is_enabled()  # the batch_norm wrapper is still there, and says so
-        assert "_apply" not in nn.modules.batchnorm._NormBase.__dict__
+        assert "_apply" not in nn.modules.batchnorm._BatchNorm.__dict__
         amp_bn_fix.enable()
         with amp_bn_fix.configure(keep_fp32="all"):  # the cast patch is back in place
             assert nn.BatchNorm1d(3).half().running_mean.dtype is torch.float32
     finally:
         F.batch_norm = inner
     amp_bn_fix.disable()
-    assert F.batch_norm is ORIGINAL and "_apply" not in nn.modules.batchnorm._NormBase.__dict__
+    assert F.batch_norm is ORIGINAL and "_apply" not in nn.modules.batchnorm._BatchNorm.__dict__
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d, nn.InstanceNorm1d])
+@pytest.mark.parametrize("order", ["theirs-first", "ours-first"])
+def test_another_library_s_wrapper_of_the_norm_s_cast_leaves_the_shim_s_in_force_or_off(norm, order):
+    """A library that wraps a norm's ``_apply`` (wrapt), before the shim's or after it: casts keep
+    the shim's FP32 stats while the shim is on, and are torch's own once it is off."""
+    owner = norm.__mro__[1]  # _BatchNorm, _InstanceNorm
+    calls = []
+
+    def theirs(wrapped, instance, args, kwargs):
+        calls.append(type(instance))
+        return wrapped(*args, **kwargs)
+
+    if order == "theirs-first":
+        amp_bn_fix.disable()
+    handle = wrapt.wrap_function_wrapper(owner, "_apply", theirs)
+    try:
+        amp_bn_fix.enable()
+        amp_bn_fix.configure(keep_fp32="all")
+        kept = torch.float32 if norm is nn.BatchNorm1d else torch.float16  # InstanceNorm: torch's cast
+        assert norm(3, track_running_stats=True).half().running_mean.dtype is kept
+        amp_bn_fix.disable()
+        assert norm(3, track_running_stats=True).half().running_mean.dtype is torch.float16
+        assert calls == [norm, norm]
+    finally:
+        amp_bn_fix.disable()
+        wrapt.unwrap_object(owner, "_apply", handle)
+        if vars(owner).get("_apply") is nn.Module._apply:  # wrapt may restore the inherited function there
+            delattr(owner, "_apply")
+        amp_bn_fix.enable()
 
 
 def test_an_install_failing_part_way_leaves_nothing_untracked(monkeypatch):

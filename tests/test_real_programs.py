@@ -1081,11 +1081,14 @@ def our_wrappers(owner, name):
     return [w for w in wrapt.wrapper_chain(getattr(owner, name)) if getattr(type(w), "_amp_bn_fix_wrapper", False)]
 
 
+NORM_BASES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+NORM_HOOKED = ("_apply", "_load_from_state_dict")
+
+
 def test_reload_then_enable_wraps_once_and_disable_restores_the_original():
     originals = {
         "apply": wrapt.unwrapped(nn.modules._functions.SyncBatchNorm.apply),
-        "_apply": wrapt.unwrapped(nn.modules.batchnorm._NormBase._apply),
-        "_load_from_state_dict": wrapt.unwrapped(nn.modules.batchnorm._NormBase._load_from_state_dict),
+        **{(norm, name): wrapt.unwrapped(getattr(norm, name)) for norm in NORM_BASES for name in NORM_HOOKED},
     }
     importlib.reload(_patch)  # what IPython's autoreload does on an edit
     try:
@@ -1095,9 +1098,10 @@ def test_reload_then_enable_wraps_once_and_disable_restores_the_original():
         amp_bn_fix.disable()
         assert F.batch_norm is ORIGINAL
         assert nn.modules._functions.SyncBatchNorm.apply == originals["apply"]
-        assert "_apply" not in nn.modules.batchnorm._NormBase.__dict__
-        for name in ("_apply", "_load_from_state_dict"):
-            assert getattr(nn.modules.batchnorm._NormBase, name) is originals[name]
+        for norm in NORM_BASES:
+            assert "_apply" not in vars(norm)
+            for name in NORM_HOOKED:
+                assert getattr(norm, name) is originals[norm, name]
         with autocast():
             assert F.batch_norm(image().to(BF16), None, None, training=True).dtype is BF16
     finally:
