@@ -434,12 +434,10 @@ def snapshot(model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
     return found
 
 
-def summary() -> str:
-    """One line: what :func:`snapshot` holds."""
-    return _line(snapshot())
-
-
-def _line(record: Dict[str, Any]) -> str:
+def summary(record: Optional[Dict[str, Any]] = None) -> str:
+    """One line: what :func:`snapshot` holds (``record``: one it returned)."""
+    if record is None:
+        record = snapshot()
     per_policy = ", ".join(f"{n} {p}" for p, n in sorted(record["handled"].items())) or "none"
     skips = sum(record["guard_skips"].values())
     where = f" ({', '.join(f'{n} in {m}' for m, n in record['guard_skips'].items())})" if skips else ""
@@ -503,7 +501,7 @@ def print_summary() -> None:
     try:
         record = snapshot()
         if multiprocessing.parent_process() is None or record["handled"] or record["passed_through"]:
-            sys.stderr.write(_line(record) + "\n")
+            sys.stderr.write(summary(record) + "\n")
     except Exception:  # a process in its last breath: the summary is not worth a traceback
         pass
 
