@@ -183,9 +183,9 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
     with ``N`` copies of weight, bias and running stats, and in training the module's stats become
     the mean of their updated copies. Unlike ATen (torch 2.13, without affine weights), which
     casts the copies to the input's dtype, so that FP32 stats are updated in 16 bits, the copies
-    keep the stats' dtype: the compute updates them in FP32, and the guard judges their average on
-    the module's stats (one record per module, named by ``report(model)``). A call left to torch
-    is torch's own.
+    are FP32: the compute updates them in FP32, their average is taken in FP32 (rounded once into
+    16-bit stats), and the guard judges it on the module's stats (one record per module, named by
+    ``report(model)``). A call left to torch is torch's own.
     """
 
     def instance_norm_at_autocast(*args: Any) -> torch.Tensor:
@@ -200,7 +200,7 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
                 and (running_mean is None) is (running_var is None)
                 and (use_input_stats or running_mean is not None)):
             n, c = input.shape[0], input.shape[1]
-            mean_copies, var_copies = _repeat(running_mean, n), _repeat(running_var, n)
+            mean_copies, var_copies = (_repeat(_compute.to_fp32(stat), n) for stat in (running_mean, running_var))
             x = input.contiguous().view((1, n * c) + tuple(input.shape[2:]))
             call = (x, mean_copies, var_copies, _repeat(weight, n), _repeat(bias, n), use_input_stats, momentum, eps)
             decided = plan(call, guard=False)  # the copies are not the module's stats: their average is guarded

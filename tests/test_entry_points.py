@@ -412,6 +412,28 @@ def test_a_half_model_s_instance_norm_takes_its_batch_norm_s_fp32_output(every_r
             assert torch.allclose(stat.double(), stat64, rtol=2 ** -8, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_half_model_s_instance_norm_stats_are_rounded_once_per_update(every_route, dtype):
+    """The per-sample copies are updated and averaged in FP32, and the average rounded once into
+    the 16-bit stats: within half a 16-bit step of the float64 update (each copy rounded first
+    would add up to a step)."""
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm2d(16, track_running_stats=True, momentum=0.3)
+    with torch.no_grad():
+        norm.running_mean.uniform_(-2, 2)
+        norm.running_var.uniform_(0.5, 3)
+    norm.to(dtype)
+    reference = copy.deepcopy(norm).double()
+    x = (torch.randn(8, 16, 5, 5) * 2 + 1).to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        norm(x)
+    reference(x.double())
+    half_step = 2.0 ** -8 if dtype is torch.bfloat16 else 2.0 ** -11  # relative, at most
+    for stat, stat64 in ((norm.running_mean, reference.running_mean), (norm.running_var, reference.running_var)):
+        assert stat.dtype is dtype
+        assert torch.allclose(stat.double(), stat64, rtol=half_step * (1 + 2.0 ** -10), atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
 def test_the_guard_keeps_instance_norm_stats_exactly(bad):
