@@ -20,7 +20,7 @@ import torch
 
 from . import _guard, _master, _state
 from ._compat import (LOW_PRECISION, autocast_dtype, autocast_enabled, device_type, function_mode_enabled,
-                      has_internal_overlap, recorded_autocast_dtype, untraced)
+                      has_internal_overlap, recorded_autocast_dtype, untraced, written_only_inside_ops)
 from _amp_bn_fix_boot.settings import Config
 
 _F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
@@ -116,11 +116,13 @@ def _out_dtype(policy: str, device_type: str, input_dtype: torch.dtype,
 
 def _guarded(ask: Ask) -> bool:
     """Whether the guard judges this call's update: a training call's, asked for, of stats it can
-    read. A meta tensor has no values, and stats on another device than the input's are torch's
-    error to report."""
+    read and write. A meta tensor has no values, stats on another device than the input's are
+    torch's error to report, and stats a ``torch.func`` transform captured only torch's kernel may
+    write (as in plain torch: unguarded)."""
     input, mean, var, _, _, training = ask.call[:6]
     return (bool(training) and ask.guard and ask.config.guard and not input.is_meta
-            and _on_device_of(input, mean, var))
+            and _on_device_of(input, mean, var)
+            and (ask.untraced or mean is None or not written_only_inside_ops(mean)))
 
 
 def _has_master(ask: Ask) -> bool:

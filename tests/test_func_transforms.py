@@ -25,7 +25,7 @@ from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, stac
 from torch.utils._pytree import tree_leaves
 
 import amp_bn_fix
-from _bounds import assert_within, same_computation_bound
+from _bounds import assert_near, assert_within, same_computation_bound
 from _shared import ORIGINAL, shim_disabled
 
 # torch's forward-mode AD scripts its decompositions when it first needs them (torch.jit.script warns:
@@ -250,3 +250,30 @@ def test_running_stats_vmap_cannot_update_get_torchs_error(model_kind, policy):
         assert all(torch.equal(a, b) for a, b in zip(before, stats))
     ours, theirs = results
     assert isinstance(theirs[0], type) and ours == theirs
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
+@pytest.mark.parametrize("transform", ["grad", "jvp"])
+def test_running_stats_a_differentiating_transform_captured_are_updated_as_torch_does(transform, bad):
+    """Running stats captured from outside a ``grad`` or ``jvp`` transform take no in-place op there:
+    torch's kernel updates them inside its own op, and so does the shim's FP32 computation, unguarded
+    (as torch), where the guard's write-back raised."""
+    x = torch.randn(8, C, generator=torch.Generator().manual_seed(0)).bfloat16()
+    if bad:
+        x[0, 0] = float("inf")
+    mean, var = torch.zeros(C), torch.ones(C)
+
+    def loss(t: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.nn.functional.batch_norm(t, mean, var, training=True, momentum=0.5)
+        assert out.dtype is F32  # the policy's
+        return out.sum()
+
+    if transform == "grad":
+        grad(loss)(x)
+    else:
+        jvp(loss, (x,), (torch.ones_like(x),))
+    x64 = x.double()
+    expected = (0.5 * x64.mean(0), 0.5 + 0.5 * x64.var(0))  # torch's update, unbiased variance
+    for stat, stat64 in zip((mean, var), expected):
+        assert_near(stat, stat64, x.shape[0], nonfinite=bad)
