@@ -184,10 +184,12 @@ def _left_to_torch(call: Tuple[Any, ...], untraced: bool) -> bool:
     FP32 or 16 bits (integer, float64) torch's own dtype error ("expect parameter to have scalar
     type of Float"); in training, running stats that require grad get torch's refusal, and stats
     whose elements share memory (expanded, stride 0) torch's own update, which no
-    copy-and-write-back can reproduce. ``untraced``: in plain eager mode, also stats of another
-    size than the input's channels get torch's size error (a master's update runs torch's
-    statistics op there, which checks no size and would write past them; a tracer's shapes are
-    not compared, and its calls reach only torch's checked kernels).
+    copy-and-write-back can reproduce, as 16-bit stats a ``torch.func`` transform captured, which
+    only torch's kernel may write there (FP32 ones are written by the shim's FP32 kernel, see
+    :func:`_guarded`). ``untraced``: in plain eager mode, also stats of another size than the
+    input's channels get torch's size error (a master's update runs torch's statistics op there,
+    which checks no size and would write past them; a tracer's shapes are not compared, and its
+    calls reach only torch's checked kernels).
     """
     input, mean, var, weight, bias, training, _, _ = call
     for t in (mean, var, weight, bias):
@@ -197,7 +199,8 @@ def _left_to_torch(call: Tuple[Any, ...], untraced: bool) -> bool:
         channels = input.shape[1:2] if untraced else None
         for stat in (mean, var):
             if stat is not None and (stat.requires_grad or (untraced and stat.shape != channels)
-                                     or (not stat.is_contiguous() and has_internal_overlap(stat))):
+                                     or (not stat.is_contiguous() and has_internal_overlap(stat))
+                                     or (not untraced and stat.dtype is not _F32 and written_only_inside_ops(stat))):
                 return True
     return False
 

@@ -13,6 +13,7 @@ under the same transform on plain torch; with the policy ``off``, with plain tor
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import random
@@ -252,6 +253,24 @@ def test_running_stats_vmap_cannot_update_get_torchs_error(model_kind, policy):
     assert isinstance(theirs[0], type) and ours == theirs
 
 
+def _captured_stats_call(transform: str, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``transform`` of a loss whose training ``F.batch_norm`` under autocast updates ``mean`` and
+    ``var``, captured from outside it; the batch norm's output."""
+    outputs = []
+
+    def loss(t: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.nn.functional.batch_norm(t, mean, var, training=True, momentum=0.5)
+        outputs.append(out)
+        return out.float().sum()
+
+    if transform == "grad":
+        grad(loss)(x)
+    else:
+        jvp(loss, (x,), (torch.ones_like(x),))
+    return torch._C._functorch.get_unwrapped(outputs[0])
+
+
 @pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
 @pytest.mark.parametrize("transform", ["grad", "jvp"])
 def test_running_stats_a_differentiating_transform_captured_are_updated_as_torch_does(transform, bad):
@@ -262,18 +281,22 @@ def test_running_stats_a_differentiating_transform_captured_are_updated_as_torch
     if bad:
         x[0, 0] = float("inf")
     mean, var = torch.zeros(C), torch.ones(C)
-
-    def loss(t: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = torch.nn.functional.batch_norm(t, mean, var, training=True, momentum=0.5)
-        assert out.dtype is F32  # the policy's
-        return out.sum()
-
-    if transform == "grad":
-        grad(loss)(x)
-    else:
-        jvp(loss, (x,), (torch.ones_like(x),))
+    assert _captured_stats_call(transform, x, mean, var).dtype is F32  # the policy's
     x64 = x.double()
     expected = (0.5 * x64.mean(0), 0.5 + 0.5 * x64.var(0))  # torch's update, unbiased variance
     for stat, stat64 in zip((mean, var), expected):
         assert_near(stat, stat64, x.shape[0], nonfinite=bad)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp"])
+def test_16_bit_running_stats_a_differentiating_transform_captured_are_torchs_own_call(transform):
+    """16-bit stats captured there are torch's to update (the shim's FP32 update writes them with
+    an in-place op): the call is torch's own, its output and update bit for bit."""
+    x = torch.randn(8, C, generator=torch.Generator().manual_seed(0)).bfloat16()
+    results = []
+    for shimmed in (True, False):
+        mean, var = torch.zeros(C, dtype=torch.bfloat16), torch.ones(C, dtype=torch.bfloat16)
+        with contextlib.nullcontext() if shimmed else shim_disabled():
+            results.append((_captured_stats_call(transform, x, mean, var), mean, var))
+    for ours, theirs in zip(*results):
+        assert ours.dtype is theirs.dtype and torch.equal(ours, theirs)
