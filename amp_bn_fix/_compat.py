@@ -90,19 +90,6 @@ def is_batched(t: torch.Tensor) -> bool:
     return _batched(t) or _legacy_batched(t)
 
 
-def written_only_inside_ops(t: torch.Tensor) -> bool:
-    """Whether a ``torch.func`` transform refuses in-place ops on ``t`` here: the innermost one
-    differentiates (``grad``, ``vjp``, ``jvp``) and ``t`` is not its tensor (captured from outside
-    the transformed function). An op that takes ``t`` as a mutable argument (torch's batch-norm
-    kernels, for running stats) still writes it."""
-    interpreter = _functorch.peek_interpreter_stack()
-    return (interpreter is not None and interpreter.key() in _DIFFERENTIATING
-            and _functorch.maybe_get_level(t) != interpreter.level())
-
-
-_DIFFERENTIATING = (_functorch.TransformType.Grad, _functorch.TransformType.Jvp)
-
-
 def autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type``: ``torch.is_autocast_enabled``, read as it is under
     every ``torch.func`` transform too.

@@ -31,6 +31,7 @@ _INF = float("inf")
 _isfinite = math.isfinite
 _vector_norm = torch.linalg.vector_norm
 _dot = torch.dot
+_copy = torch.ops.aten.copy.out
 
 # Up to this many channels the host guard keeps and judges the stats as Python floats, with no
 # tensor op: reading 2 x 32 values costs less than an op's dispatch, and in a training loop far
@@ -181,4 +182,15 @@ def _write_back(mean: torch.Tensor, var: torch.Tensor, new_mean: torch.Tensor, n
         if eager:
             _record.checked_on_device(counted_for, finite)
     for stat, value in ((mean, new_mean), (var, new_var)):
-        (stat.data if eager else stat).copy_(value)
+        if eager:
+            stat.data.copy_(value)
+            continue
+        try:
+            stat.copy_(value)
+        except RuntimeError as refused:
+            # A torch.func grad or jvp transform refuses in-place ops on stats the function captured
+            # from outside (and on their views), before they run, not an op's ``out=`` argument
+            # (which carries no forward-mode tangent: the stats it is given take the in-place copy).
+            if "captured" not in str(refused):
+                raise
+            _copy(stat, value, out=stat)

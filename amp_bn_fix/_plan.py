@@ -20,7 +20,7 @@ import torch
 
 from . import _guard, _master, _state
 from ._compat import (LOW_PRECISION, autocast_dtype, autocast_enabled, device_type, function_mode_enabled,
-                      has_internal_overlap, recorded_autocast_dtype, untraced, written_only_inside_ops)
+                      has_internal_overlap, recorded_autocast_dtype, untraced)
 from _amp_bn_fix_boot.settings import Config
 
 _F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
@@ -116,13 +116,11 @@ def _out_dtype(policy: str, device_type: str, input_dtype: torch.dtype,
 
 def _guarded(ask: Ask) -> bool:
     """Whether the guard judges this call's update: a training call's, asked for, of stats it can
-    read and write. A meta tensor has no values, stats on another device than the input's are
-    torch's error to report, and stats a ``torch.func`` transform captured only torch's kernel may
-    write (as in plain torch: unguarded)."""
+    read. A meta tensor has no values, and stats on another device than the input's are torch's
+    error to report."""
     input, mean, var, _, _, training = ask.call[:6]
     return (bool(training) and ask.guard and ask.config.guard and not input.is_meta
-            and _on_device_of(input, mean, var)
-            and (ask.untraced or mean is None or not written_only_inside_ops(mean)))
+            and _on_device_of(input, mean, var))
 
 
 def _has_master(ask: Ask) -> bool:
@@ -184,12 +182,10 @@ def _left_to_torch(call: Tuple[Any, ...], untraced: bool) -> bool:
     FP32 or 16 bits (integer, float64) torch's own dtype error ("expect parameter to have scalar
     type of Float"); in training, running stats that require grad get torch's refusal, and stats
     whose elements share memory (expanded, stride 0) torch's own update, which no
-    copy-and-write-back can reproduce, as 16-bit stats a ``torch.func`` transform captured, which
-    only torch's kernel may write there (FP32 ones are written by the shim's FP32 kernel, see
-    :func:`_guarded`). ``untraced``: in plain eager mode, also stats of another size than the
-    input's channels get torch's size error (a master's update runs torch's statistics op there,
-    which checks no size and would write past them; a tracer's shapes are not compared, and its
-    calls reach only torch's checked kernels).
+    copy-and-write-back can reproduce. ``untraced``: in plain eager mode, also stats of another
+    size than the input's channels get torch's size error (a master's update runs torch's
+    statistics op there, which checks no size and would write past them; a tracer's shapes are
+    not compared, and its calls reach only torch's checked kernels).
     """
     input, mean, var, weight, bias, training, _, _ = call
     for t in (mean, var, weight, bias):
@@ -199,8 +195,7 @@ def _left_to_torch(call: Tuple[Any, ...], untraced: bool) -> bool:
         channels = input.shape[1:2] if untraced else None
         for stat in (mean, var):
             if stat is not None and (stat.requires_grad or (untraced and stat.shape != channels)
-                                     or (not stat.is_contiguous() and has_internal_overlap(stat))
-                                     or (not untraced and stat.dtype is not _F32 and written_only_inside_ops(stat))):
+                                     or (not stat.is_contiguous() and has_internal_overlap(stat))):
                 return True
     return False
 

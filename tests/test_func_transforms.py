@@ -13,7 +13,6 @@ under the same transform on plain torch; with the policy ``off``, with plain tor
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import random
@@ -253,50 +252,44 @@ def test_running_stats_vmap_cannot_update_get_torchs_error(model_kind, policy):
     assert isinstance(theirs[0], type) and ours == theirs
 
 
-def _captured_stats_call(transform: str, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """``transform`` of a loss whose training ``F.batch_norm`` under autocast updates ``mean`` and
-    ``var``, captured from outside it; the batch norm's output."""
-    outputs = []
+@pytest.mark.parametrize("stats_dtype", [F32, torch.bfloat16], ids=["fp32-stats", "bf16-stats"])
+@pytest.mark.parametrize("captured", ["both", "views-of-both", "var-only"])
+@pytest.mark.parametrize("transform", ["grad", "jvp"])
+def test_running_stats_a_differentiating_transform_captured_are_updated_and_guarded(transform, captured, stats_dtype):
+    """``grad`` and ``jvp`` refuse in-place ops on tensors the transformed function captured from
+    outside (and on views of them), which plain torch's kernel updates inside its op: the guard
+    writes them back through an op's ``out=`` argument, which they take."""
+    stats = torch.stack((torch.zeros(C), torch.ones(C))).to(stats_dtype)
+    given_mean = stats[0].clone()
 
-    def loss(t: torch.Tensor) -> torch.Tensor:
+    def loss(t: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        if captured == "views-of-both":
+            mean, var = stats[0], stats[1]
+        else:
+            mean, var = (stats[0] if captured == "both" else mean), stats[1]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = torch.nn.functional.batch_norm(t, mean, var, training=True, momentum=0.5)
-        outputs.append(out)
-        return out.float().sum()
+        assert out.dtype is F32  # the policy's
+        return out.sum()
 
-    if transform == "grad":
-        grad(loss)(x)
-    else:
-        jvp(loss, (x,), (torch.ones_like(x),))
-    return torch._C._functorch.get_unwrapped(outputs[0])
+    def step(x: torch.Tensor) -> None:
+        if transform == "grad":
+            grad(loss)(x, given_mean)
+        else:
+            jvp(loss, (x, given_mean), (torch.ones_like(x), torch.zeros_like(given_mean)))
 
-
-@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
-@pytest.mark.parametrize("transform", ["grad", "jvp"])
-def test_running_stats_a_differentiating_transform_captured_are_updated_as_torch_does(transform, bad):
-    """Running stats captured from outside a ``grad`` or ``jvp`` transform take no in-place op there:
-    torch's kernel updates them inside its own op, and so does the shim's FP32 computation, unguarded
-    (as torch), where the guard's write-back raised."""
+    if captured == "both":  # stats[0] and stats[1] are views made outside: captured tensors of their own
+        stats = stats.unbind()
     x = torch.randn(8, C, generator=torch.Generator().manual_seed(0)).bfloat16()
-    if bad:
-        x[0, 0] = float("inf")
-    mean, var = torch.zeros(C), torch.ones(C)
-    assert _captured_stats_call(transform, x, mean, var).dtype is F32  # the policy's
+    mean = given_mean if captured == "var-only" else stats[0]
+    start64 = mean.double(), stats[1].double()
+    step(x)
     x64 = x.double()
-    expected = (0.5 * x64.mean(0), 0.5 + 0.5 * x64.var(0))  # torch's update, unbiased variance
-    for stat, stat64 in zip((mean, var), expected):
-        assert_near(stat, stat64, x.shape[0], nonfinite=bad)
-
-
-@pytest.mark.parametrize("transform", ["grad", "jvp"])
-def test_16_bit_running_stats_a_differentiating_transform_captured_are_torchs_own_call(transform):
-    """16-bit stats captured there are torch's to update (the shim's FP32 update writes them with
-    an in-place op): the call is torch's own, its output and update bit for bit."""
-    x = torch.randn(8, C, generator=torch.Generator().manual_seed(0)).bfloat16()
-    results = []
-    for shimmed in (True, False):
-        mean, var = torch.zeros(C, dtype=torch.bfloat16), torch.ones(C, dtype=torch.bfloat16)
-        with contextlib.nullcontext() if shimmed else shim_disabled():
-            results.append((_captured_stats_call(transform, x, mean, var), mean, var))
-    for ours, theirs in zip(*results):
-        assert ours.dtype is theirs.dtype and torch.equal(ours, theirs)
+    expected = (0.5 * start64[0] + 0.5 * x64.mean(0), 0.5 * start64[1] + 0.5 * x64.var(0))
+    for stat, stat64 in zip((mean, stats[1]), expected):
+        assert stat.dtype is stats_dtype
+        assert_near(stat, stat64, x.shape[0])
+    before = mean.clone(), stats[1].clone()
+    x[0, 0] = float("inf")
+    step(x)  # a non-finite batch leaves them bit for bit
+    assert torch.equal(mean, before[0]) and torch.equal(stats[1], before[1])
