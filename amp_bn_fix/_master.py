@@ -399,15 +399,15 @@ def cast_hook(wrapped: Callable[..., Any], instance: torch.nn.Module, args: tupl
     if not _state.active:  # a reference kept after disable() (another library's wrapper holds it)
         return wrapped(*args, **kwargs)
     config = _state.config
-    before = getattr(instance, "running_mean", None)
+    before = _stats_of(instance)[0]
     if not batch_norm or _state.policy() == "off":  # torch's own cast
         out = wrapped(*args, **kwargs)
     elif config.keep_fp32 == "master" or _has_own_master(instance):
         out = apply_carrying_masters(wrapped, instance, args, kwargs, config.devices)
     else:
         out = apply_keeping_fp32(wrapped, instance, args, kwargs, config.keep_fp32, config.devices)
-    after = getattr(instance, "running_mean", None)
-    if after is not before and isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor):
+    after = _stats_of(instance)[0]
+    if after is not before and before is not None and after is not None:
         _record.moved(before, after)
     return out
 
