@@ -34,6 +34,10 @@ _forward_ad = torch.autograd.forward_ad
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 _functorch = torch._C._functorch
 _batched, _legacy_batched = _functorch.is_batchedtensor, _functorch.is_legacy_batchedtensor
+# Whether autocast is on for any of CPU, CUDA, XPU, HPU, XLA, IPU, PrivateUse1 (every device type
+# with an autocast key but MPS, MTIA and MAIA; ``is_any_autocast_enabled`` in
+# ``torch/csrc/autograd/init.cpp``, torch 2.4 to 2.15): one C call.
+any_autocast_enabled = torch._C._is_any_autocast_enabled
 # Whether any TorchFunctionMode is active (strict export's, torch.set_default_device's...): one C call.
 function_mode_enabled = _function_mode_enabled
 _DispatchKey = torch._C.DispatchKey
@@ -46,6 +50,10 @@ try:
 except ImportError:  # torch < 2.6
     _compiler_config = None
 _TAG_SEPARATOR = "|amp_bn_fix:"
+# What torch.compiler.is_compiling() returns outside TorchScript: the module's flag, which export
+# sets while it traces (with the exporting flag, from torch 2.6) and dynamo folds to True in the
+# code it traces (torch 2.4 to 2.15). Read on every handled call: an attribute, not a call.
+_compiler = torch.compiler
 _modules = sys.modules
 _thread = _state.thread
 # What non-reentrant checkpointing raises to stop a recompute once it has every tensor it needs
@@ -208,8 +216,8 @@ def untraced(*tensors: Optional[torch.Tensor]) -> bool:
         or _functorch_active()
         or _forward_ad._current_level >= 0
         or jit_tracing()
-        # dynamo_imported(), written out: a Python frame less on every handled call.
-        or ("torch._dynamo" in _modules and (torch.compiler.is_compiling() or is_exporting()))
+        # torch.compiler.is_compiling(), read as it reads it (strict export sets it too).
+        or _compiler._is_compiling_flag
     )
 
 

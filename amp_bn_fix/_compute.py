@@ -161,13 +161,8 @@ def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool =
     input, running_mean, running_var, weight, bias, training, _, eps = call
     plain = plan.plain
     eager = plain or plain_eager(input, running_mean, running_var, weight, bias)
-    # torch's own F.batch_norm (not another library's wrapper of it) is torch.batch_norm once
-    # its checks pass: no torch function override (exact types, and no mode: a default-device
-    # mode would see the call again), more than one value per channel and a positive eps
-    # (else its errors, from it). torch.batch_norm is looked up at each call, as there.
-    if (plain and original is _F_BATCH_NORM and type(eps) is float and eps > 0.0
-            and not function_mode_enabled() and not (training and input.numel() == input.size(1))):
-        original = _torch_f_batch_norm
+    if plain and not function_mode_enabled():  # exact types, and no mode: no override sees the call
+        original = past_checks(original, call)
     host = eager and _tuning.host_route(input)
     update = bool(training) and running_mean is not None and running_var is not None
     held = token = None
@@ -210,6 +205,22 @@ def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool =
         return shown
     out_dtype = plan.out_dtype
     return out if out_dtype is None or out.dtype is out_dtype else to_copy(out, out_dtype, eager)
+
+
+def past_checks(original: Original, call: Tuple[Any, ...]) -> Original:
+    """What ``original`` runs for ``call``, a call no torch function override sees (the caller
+    knows: exact types, and no mode; a default-device mode would see it again).
+
+    torch's own ``F.batch_norm`` (not another library's wrapper of it) runs ``torch.batch_norm``
+    once its Python checks pass: a boolean ``training``, in training more than one value per
+    channel, and a positive eps (else its errors, from it). ``torch.batch_norm`` is looked up
+    at each call, as there.
+    """
+    input, training, eps = call[0], call[5], call[7]
+    if (original is _F_BATCH_NORM and type(eps) is float and eps > 0.0
+            and (training is False or (training is True and input.dim() >= 2 and input.numel() != input.size(1)))):
+        return _torch_f_batch_norm
+    return original
 
 
 def _torch_f_batch_norm(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],

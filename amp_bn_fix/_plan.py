@@ -19,12 +19,13 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 import torch
 
 from . import _guard, _master, _state
-from ._compat import (LOW_PRECISION, autocast_dtype, autocast_enabled, device_type, function_mode_enabled,
-                      has_internal_overlap, recorded_autocast_dtype, untraced)
+from ._compat import (LOW_PRECISION, any_autocast_enabled, autocast_dtype, autocast_enabled, device_type,
+                      function_mode_enabled, has_internal_overlap, recorded_autocast_dtype, untraced)
 from _amp_bn_fix_boot.settings import Config
 
 _F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_has_torch_function = torch._C._has_torch_function_variadic
 
 
 class BatchNormCall(NamedTuple):
@@ -320,7 +321,30 @@ def considered(call: Tuple[Any, ...]) -> bool:
     """The test every call pays: whether ``call`` may be the shim's at all, by its dtypes
     (:func:`shim_dtypes`), or an FP32 input under a TorchFunctionMode (strict export records
     autocast regions without entering them)."""
-    return shim_dtypes(call) or (function_mode_enabled() and getattr(call[0], "dtype", None) is _F32)
+    dtype = getattr(call[0], "dtype", None)
+    if dtype is _F16 or dtype is _BF16:  # the calls the shim computes: decided here
+        return True
+    return shim_dtypes(call) or (function_mode_enabled() and dtype is _F32)
+
+
+def unseen_fp32(call: Tuple[Any, ...]) -> bool:
+    """Whether ``call`` has an FP32 input that neither autocast nor a torch function override
+    (a subclass, a mode) sees: the table leaves it to torch (its routes before "an FP32 input
+    outside autocast" need autocast or a mode), and nothing brings it back to a door.
+
+    Read with three C calls and two attributes, as every call an FP32 model makes outside
+    autocast pays it: autocast off for every device type the one C call asks (all but MPS, MTIA
+    and MAIA) and a CPU or CUDA input.
+    """
+    input = call[0]
+    try:
+        if input.dtype is not _F32:  # first: the calls the shim computes pay this test alone
+            return False
+    except AttributeError:  # not a tensor: torch's error, where every other call goes
+        return False
+    # The override test given every argument (the three beyond the tensors are plain numbers,
+    # and never override): cheaper than slicing them off.
+    return not (any_autocast_enabled() or _has_torch_function(*call)) and (input.is_cpu or input.is_cuda)
 
 
 def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:

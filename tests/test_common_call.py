@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import wrapt
 
 import amp_bn_fix
-from _shared import SUBPROCESS_TIMEOUT, child_env
+from _shared import ORIGINAL, SUBPROCESS_TIMEOUT, child_env, outcome
 from amp_bn_fix import _compat, _compute, _doors, _master, _plan, _record, _state
 
 NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
@@ -347,6 +347,117 @@ def test_an_fp32_input_under_a_default_device_mode_is_torchs(lane_calls, by_keyw
     assert out.dtype is torch.float32
 
 
+# ---- The call an FP32 model makes outside autocast: torch's, with no flag and no plan ----
+
+_NEXT_TO = {"FP32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "absent": None}
+
+
+def _fp32_calls():
+    """FP32 inputs next to every dtype of weights and stats (each absent too), in training and eval."""
+    for (stats, params), training in itertools.product(itertools.product(_NEXT_TO.values(), repeat=2), (False, True)):
+        mean, var = (None, None) if stats is None else (torch.zeros(6, dtype=stats), torch.ones(6, dtype=stats))
+        weight, bias = (None, None) if params is None else (torch.ones(6, dtype=params), torch.zeros(6, dtype=params))
+        yield (torch.randn(4, 6, 3, 3), mean, var, weight, bias, training, 0.1, 1e-5)
+
+
+@every_route
+@pytest.mark.parametrize("keep_fp32", ["master", "stats", "none"])
+def test_an_unseen_fp32_call_is_the_tables_torchs(keep_fp32):
+    """The pass-through lane's rule (an FP32 input no autocast or override sees) gives what the
+    table gives: torch's, under every policy and setting, whatever is next to the input."""
+    calls = list(_fp32_calls())
+    with amp_bn_fix.configure(keep_fp32=keep_fp32):
+        for policy in POLICIES:
+            with amp_bn_fix.policy(policy):
+                for call in calls:
+                    assert _plan.unseen_fp32(call)
+                    assert _walked(call) is None, (policy, call)
+
+
+class _Traced(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("seen_by", ["autocast", "a mode", "a subclass", "16-bit input", "an FP64 input"])
+def test_a_seen_call_is_not_unseen(seen_by):
+    call = list(_common_args())
+    call[0] = call[0].float()
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if seen_by == "autocast" else (
+        torch.device("cpu") if seen_by == "a mode" else contextlib.nullcontext())
+    if seen_by == "a subclass":
+        call[0] = call[0].as_subclass(_Traced)
+    elif seen_by == "16-bit input":
+        call[0] = call[0].bfloat16()
+    elif seen_by == "an FP64 input":
+        call[0] = call[0].double()
+    with context:
+        assert not _plan.unseen_fp32(tuple(call))
+
+
+# Each changes one argument of an FP32 BatchNorm2d's call: torch's output, stats and errors, each
+# once through F.batch_norm's own checks where the lane does not take torch.batch_norm directly.
+FP32_CASES = {
+    "train": {},
+    "eval": dict(training=False),
+    "no stats": dict(running_mean=None, running_var=None),
+    "no affine": dict(weight=None, bias=None),
+    "one value per channel": dict(input=torch.randn(1, 6, 1, 1)),
+    "one value per channel in eval": dict(input=torch.randn(1, 6, 1, 1), training=False),
+    "one-dimensional input": dict(input=torch.randn(6)),
+    "eps 0 in training": dict(eps=0.0),
+    "negative eps in eval": dict(training=False, eps=-1.0),
+    "eps an int": dict(eps=1),
+    "training an int": dict(training=1),
+    "momentum None": dict(momentum=None),
+    "16-bit stats": dict(running_mean=torch.zeros(6).bfloat16(), running_var=torch.ones(6).bfloat16()),
+    "stats of another size": dict(running_mean=torch.zeros(7), running_var=torch.ones(7)),
+    "weight a float": dict(weight=1.0),
+    "channels_last": dict(input=torch.randn(4, 6, 3, 3).contiguous(memory_format=torch.channels_last)),
+}
+
+
+@pytest.mark.usefixtures("fresh_record")
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["by-position", "by-keyword"])
+@pytest.mark.parametrize("case", list(FP32_CASES))
+def test_an_fp32_call_outside_autocast_is_torchs_own_and_counted_once(case, by_keyword):
+    given = dict(zip(NAMES, (torch.randn(4, 6, 3, 3) * 2 + 1, torch.zeros(6), torch.ones(6), torch.rand(6) + 0.5,
+                             torch.randn(6), True, 0.1, 1e-5)))
+    given.update(FP32_CASES[case])
+    args = tuple(given[name] for name in NAMES)
+    fn = (lambda *a: F.batch_norm(**dict(zip(NAMES, a)))) if by_keyword else F.batch_norm
+    ours = outcome(fn, args)
+    theirs = outcome(ORIGINAL, args)
+    if isinstance(theirs, Exception):
+        assert (type(ours), str(ours)) == (type(theirs), str(theirs))
+    else:
+        for a, b in zip(ours, theirs):
+            _assert_identical(a, b, case)
+    record = amp_bn_fix.report()
+    assert (record["handled"], record["passed_through"]) == ({}, 1)
+
+
+class _Recording(torch.Tensor):
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(getattr(func, "__name__", func))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.usefixtures("fresh_record")
+@pytest.mark.parametrize("which", ["input", "weight"])
+def test_an_fp32_subclass_outside_autocast_still_sees_its_call(which):
+    """The lane calls torch.batch_norm directly only where no override would see F.batch_norm."""
+    args = [torch.randn(4, 6, 3, 3), torch.zeros(6), torch.ones(6), torch.ones(6), torch.zeros(6), True, 0.1, 1e-5]
+    index = NAMES.index(which)
+    args[index] = args[index].as_subclass(_Recording)
+    _Recording.seen = []
+    out = F.batch_norm(*args)
+    assert _Recording.seen.count("batch_norm") == 1 and type(out) is _Recording
+    assert amp_bn_fix.report()["passed_through"] == 1
+
+
 # ---- The plan's memo: the table's answer, kept by what the routes read ----
 
 
@@ -484,3 +595,14 @@ def test_a_tracer_under_a_tracing_context_counts_as_compiling(tracing_context_re
         with fake:
             assert _compat.is_compiling()
     assert tracing_context_reads  # the context decided it
+
+
+def test_a_call_torch_says_is_compiling_is_not_plain(monkeypatch):
+    """Plain eager mode reads torch.compiler.is_compiling() as torch computes it, from its flag
+    (which export sets while it traces): a call under it is not the common one."""
+    args = tuple(_common_args())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _plan.plan(args).plain
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+        assert torch.compiler.is_compiling()
+        assert not _compat.untraced(*args[:5]) and not _plan.plan(args).plain
