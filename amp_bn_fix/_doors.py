@@ -16,7 +16,7 @@ own call or the one compute (``_compute.run``), and the count (``_record``).
 * :func:`sync_batch_norm`: the wrapper of ``SyncBatchNorm.apply``, nn.SyncBatchNorm's syncing path.
 
 While a door runs a call it has decided, computed or passed to torch, this thread's flag
-(``_state.inside``) is set: a tensor subclass or TorchFunctionMode that calls
+(``_state.thread.inside``) is set: a tensor subclass or TorchFunctionMode that calls
 ``F.batch_norm`` again, and the op ``F.batch_norm`` reaches (the dispatcher kernel), go straight
 to torch, so a call is decided and counted once.
 """
@@ -36,7 +36,7 @@ from ._compat import (LOW_PRECISION, device_type, exclude_autocast, foreach_copy
 from ._compute import Original
 from ._plan import Plan, bind, considered, plan, shim_dtypes, unseen_fp32
 
-_inside, _set_inside, _reset_inside = _state.inside.get, _state.inside.set, _state.inside.reset
+_thread = _state.thread
 _passed = _record.passed
 _past_checks = _compute.past_checks
 _modules = sys.modules
@@ -63,14 +63,14 @@ def _enter(call: Optional[Tuple[Any, ...]], decided: Optional[Plan], original: O
         # The policy torch.compile compiles the call under (strict export traces with dynamo too,
         # but keeps no compiled code a scope could miss); a plain plan's call is not traced.
         _state.compiled_policies.add(_state.policy(device_type(call[0])))
-    token = _set_inside(True)
+    _thread.inside = True
     try:
         if decided is None:
             _passed()
             return torch_own(*args, **kwargs)
         out = _compute.run(original, call, decided, native=native)
     finally:
-        _reset_inside(token)
+        _thread.inside = False
     _record.handled(decided.counted_as)  # once computed: a call that raises was not handled
     return out
 
@@ -87,7 +87,7 @@ def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple,
 
     ``native`` False: ``wrapped`` must see the call the shim computes (see ``_compute.run``).
     """
-    if _inside() or not _state.active:  # decided already, or a reference kept after disable()
+    if _thread.inside or not _state.active:  # decided already, or a reference kept after disable()
         return wrapped(*args, **kwargs)
     if len(args) == 8 and not kwargs:  # the call BatchNorm modules make: no binding needed
         call = args
@@ -98,9 +98,11 @@ def batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: tuple,
             call = (None,) * 8
     if unseen_fp32(call):
         # torch's, and nothing brings it back to a door: no flag to set. The call an FP32 model
-        # makes outside autocast, which every FP32 program pays where the shim is on.
+        # makes outside autocast, which every FP32 program pays where the shim is on. A function
+        # other than torch's own (a library's wrapper under ours) gets the call as it came.
         _passed()
-        return _past_checks(wrapped, call)(*call)
+        own = _past_checks(wrapped, call)
+        return own(*call) if own is not wrapped else wrapped(*args, **kwargs)
     return _enter(call, plan(call), wrapped, wrapped, args, kwargs, native=native)
 
 
@@ -196,7 +198,7 @@ def instance_norm_kernel(device_type: str) -> Callable[..., torch.Tensor]:
 
     def instance_norm_at_autocast(*args: Any) -> torch.Tensor:
         input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled = args
-        if _inside():
+        if _thread.inside:
             return _below_autocast(device_type, _aten_instance_norm, _torch_instance_norm, args)
         decided = call = None
         # The calls a batch norm's would be the shim's (a 16-bit input, or an FP32 one next to 16-bit
@@ -250,7 +252,7 @@ def sync_batch_norm(wrapped: Callable[..., torch.Tensor], instance: Any, args: t
     The statistics gathered across ranks and the normalization are FP32 (input, weight, bias and
     running stats, or their master, handed over as FP32); the output dtype follows the policy.
     """
-    if _inside() or not _state.active:
+    if _thread.inside or not _state.active:
         return wrapped(*args, **kwargs)
     try:
         as_batch_norm, group, world_size = _bind_sync(*args, **kwargs)

@@ -26,6 +26,7 @@ from _amp_bn_fix_boot.settings import Config
 _F16, _BF16, _F32 = torch.float16, torch.bfloat16, torch.float32
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _has_torch_function = torch._C._has_torch_function_variadic
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 class BatchNormCall(NamedTuple):
@@ -157,9 +158,12 @@ def shim_dtypes(call: Tuple[Any, ...]) -> bool:
     dtype = getattr(call[0], "dtype", None)
     if dtype is _F16 or dtype is _BF16:
         return True
-    if dtype is not _F32:
-        return False
-    # A loop, not ``any()`` over a generator: an FP32 call pays this on every call the shim passes on.
+    return dtype is _F32 and _16_bit_beside(call)
+
+
+def _16_bit_beside(call: Tuple[Any, ...]) -> bool:
+    """Whether a weight or stat of ``call`` is 16-bit."""
+    # A loop, not ``any()`` over a generator: an FP32 call under autocast pays this.
     for t in call[1:5]:
         dtype = getattr(t, "dtype", None)
         if dtype is _F16 or dtype is _BF16:
@@ -321,10 +325,10 @@ def considered(call: Tuple[Any, ...]) -> bool:
     """The test every call pays: whether ``call`` may be the shim's at all, by its dtypes
     (:func:`shim_dtypes`), or an FP32 input under a TorchFunctionMode (strict export records
     autocast regions without entering them)."""
-    dtype = getattr(call[0], "dtype", None)
-    if dtype is _F16 or dtype is _BF16:  # the calls the shim computes: decided here
+    dtype = getattr(call[0], "dtype", None)  # read once: a subclass sees its reads
+    if dtype is _F16 or dtype is _BF16:
         return True
-    return shim_dtypes(call) or (function_mode_enabled() and dtype is _F32)
+    return dtype is _F32 and (_16_bit_beside(call) or function_mode_enabled())
 
 
 def unseen_fp32(call: Tuple[Any, ...]) -> bool:
@@ -332,19 +336,21 @@ def unseen_fp32(call: Tuple[Any, ...]) -> bool:
     (a subclass, a mode) sees: the table leaves it to torch (its routes before "an FP32 input
     outside autocast" need autocast or a mode), and nothing brings it back to a door.
 
-    Read with three C calls and two attributes, as every call an FP32 model makes outside
+    Read with four C calls and two attributes, as every call an FP32 model makes outside
     autocast pays it: autocast off for every device type the one C call asks (all but MPS, MTIA
-    and MAIA) and a CPU or CUDA input.
+    and MAIA) and a CPU or CUDA input; no override and no TorchDispatchMode.
     """
+    # Autocast first: the calls the shim computes leave at once. Then overrides (given every
+    # argument: the three beyond the tensors are plain numbers, and slicing them off costs more),
+    # before any attribute is read: a subclass sees its reads. Then TorchDispatchModes, which may
+    # call F.batch_norm from inside torch's kernel: that call goes to torch, as from any door.
+    if any_autocast_enabled() or _has_torch_function(*call) or _dispatch_modes():
+        return False
     input = call[0]
     try:
-        if input.dtype is not _F32:  # first: the calls the shim computes pay this test alone
-            return False
+        return input.dtype is _F32 and (input.is_cpu or input.is_cuda)
     except AttributeError:  # not a tensor: torch's error, where every other call goes
         return False
-    # The override test given every argument (the three beyond the tensors are plain numbers,
-    # and never override): cheaper than slicing them off.
-    return not (any_autocast_enabled() or _has_torch_function(*call)) and (input.is_cpu or input.is_cuda)
 
 
 def plan(call: Tuple[Any, ...], guard: bool = True) -> Optional[Plan]:

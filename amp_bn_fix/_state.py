@@ -53,15 +53,12 @@ active = False
 device_route = False
 
 
-# True while this thread runs a call a door has decided (computed, or passed to torch): tensor
-# subclasses and TorchFunctionModes call F.batch_norm again from inside it, and the op it reaches
-# calls the dispatcher door; the decision applies once. A ContextVar, read on every call: each
-# thread has a context of its own, and its read costs half a thread-local attribute's. Set and
-# reset around a synchronous call, so asyncio tasks and generators never see another's.
-inside: contextvars.ContextVar[bool] = contextvars.ContextVar("amp_bn_fix_inside", default=False)
-
-
 class _ThreadState(threading.local):
+    # True while this thread runs a call a door has decided (computed, or passed to torch): tensor
+    # subclasses and TorchFunctionModes call F.batch_norm again from inside it, and the op it
+    # reaches calls the dispatcher door; the decision applies once. The thread's, not a context's:
+    # an asyncio task or a callback scheduled from inside the call would inherit a context's copy.
+    inside = False
     # How many of this thread's TorchDispatchModes are ``amp_bn_fix.testing``'s traffic counters:
     # they see every kernel and record nothing, so a call under them is still plain eager.
     counters = 0

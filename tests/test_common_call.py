@@ -20,6 +20,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 import wrapt
 
 import amp_bn_fix
@@ -455,7 +456,91 @@ def test_an_fp32_subclass_outside_autocast_still_sees_its_call(which):
     _Recording.seen = []
     out = F.batch_norm(*args)
     assert _Recording.seen.count("batch_norm") == 1 and type(out) is _Recording
+    assert _Recording.seen.count("__get__") <= 1  # the shim reads a dtype once: the subclass sees its reads
     assert amp_bn_fix.report()["passed_through"] == 1
+
+
+def _library_bn(input, running_mean, running_var, *, weight=None, bias=None, training=False, momentum=0.1,
+                eps=1e-3):
+    """Another library's F.batch_norm: keyword-only parameters, its own default eps."""
+    return ORIGINAL(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+@pytest.mark.usefixtures("fresh_record")
+def test_an_fp32_call_reaches_a_library_wrapper_under_the_shim_as_it_came():
+    """The lane hands a function other than torch's own the caller's arguments, not a bound call."""
+    x = torch.randn(8, 4)
+    expected = outcome(_library_bn, (x, torch.zeros(4), torch.ones(4)), dict(training=True))
+    amp_bn_fix.disable()
+    plain = F.batch_norm
+    F.batch_norm = _library_bn
+    try:
+        amp_bn_fix.enable()
+        got = outcome(F.batch_norm, (x, torch.zeros(4), torch.ones(4)), dict(training=True))
+    finally:
+        amp_bn_fix.disable()
+        F.batch_norm = plain
+        amp_bn_fix.enable()
+    for a, b in zip(got, expected):
+        _assert_identical(a, b, "library wrapper")
+    assert amp_bn_fix.report()["passed_through"] == 1
+
+
+class _CallsAgainBelow(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that makes an F.batch_norm call of its own from inside torch's kernel."""
+
+    busy = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "batch_norm" in str(func) and not self.busy:
+            self.busy = True
+            try:
+                F.batch_norm(args[0], None, None, training=True)
+            finally:
+                self.busy = False
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.usefixtures("fresh_record")
+def test_a_call_from_inside_torchs_kernel_goes_to_torch_uncounted():
+    """A call passed to torch is decided once, also where a dispatch mode calls F.batch_norm again below it."""
+    with _CallsAgainBelow():
+        F.batch_norm(torch.randn(8, 4), torch.zeros(4), torch.ones(4), training=True)
+    assert amp_bn_fix.report()["passed_through"] == 1
+
+
+def test_an_object_with_a_float32_dtype_gets_torchs_error():
+    given = (torch.TypedStorage(8, dtype=torch.float32), None, None)
+    ours, theirs = outcome(F.batch_norm, given, dict(training=True)), outcome(ORIGINAL, given, dict(training=True))
+    assert (type(ours), str(ours)) == (type(theirs), str(theirs))
+
+
+def test_an_asyncio_task_made_inside_a_computed_call_is_computed_too():
+    """The thread's flag is not a context's: a task scheduled while the shim computes a call does
+    not inherit it, and its own autocast BatchNorm is computed in FP32."""
+    import asyncio
+
+    dtypes = []
+
+    async def later():
+        await asyncio.sleep(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dtypes.append(torch.nn.BatchNorm1d(4)(torch.randn(8, 4).bfloat16()).dtype)
+
+    class Spawn(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "batch_norm":
+                asyncio.get_running_loop().create_task(later())
+            return func(*args, **(kwargs or {}))
+
+    async def main():
+        with Spawn(), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.BatchNorm1d(4)(torch.randn(8, 4).bfloat16())
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert dtypes and set(dtypes) == {torch.float32}
 
 
 # ---- The plan's memo: the table's answer, kept by what the routes read ----

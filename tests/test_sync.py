@@ -190,12 +190,12 @@ def test_calls_it_does_not_handle_pass_through_untouched(recorder, case):
         amp_bn_fix.configure(devices=["cuda"])
     elif case == "no autocast":  # all in bfloat16: the caller chose it, as F.batch_norm leaves it
         weight, bias, mean, var = (t.detach().to(torch.bfloat16) for t in (weight, bias, mean, var))
-    token = _state.inside.set(case == "re-entered")
+    _state.thread.inside = case == "re-entered"
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case != "no autocast"):
             out = sync_apply(x, weight, bias, mean, var)
     finally:
-        _state.inside.reset(token)
+        _state.thread.inside = False
     (call,) = recorder.calls
     assert all(got is given for got, given in zip(call["args"], (x, weight, bias, mean, var)))
     assert out.dtype == x.dtype
