@@ -245,14 +245,15 @@ def is_compiling() -> bool:
 
     Up to torch 2.6 at least, dynamo puts the patched ``F.batch_norm`` into its graph as torch's own
     function (the wrapper compares equal to it): the wrapper first runs when AOTAutograd traces that
-    graph, where ``torch.compiler.is_compiling()`` is False but a tracing context is set. It traces
+    graph, where ``torch.compiler.is_compiling()`` (its flag, read as :func:`untraced` reads it) is
+    False but a tracing context is set. It traces
     under its dispatch modes (fake, functional, proxy), so the context, a microsecond or two to read,
     is asked only under a mode: once an optimizer has imported dynamo, every call the shim passes
     to torch asks this.
     """
     if not dynamo_imported():
         return False
-    return torch.compiler.is_compiling() or (
+    return _compiler._is_compiling_flag or (
         _dispatch_stack_len() > 0 and torch._guards.TracingContext.try_get() is not None)
 
 

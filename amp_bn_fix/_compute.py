@@ -158,7 +158,7 @@ def run(original: Original, call: Tuple[Any, ...], plan: Plan, *, native: bool =
             # the update below stands too, and then the recompute stops.
             stopped = stop
         call = (input.detach(), mean, var, None, None, training, momentum, eps)
-    input, running_mean, running_var, weight, bias, training, _, eps = call
+    input, running_mean, running_var, weight, bias, training, _, _ = call
     plain = plan.plain
     eager = plain or plain_eager(input, running_mean, running_var, weight, bias)
     if plain and not function_mode_enabled():  # exact types, and no mode: no override sees the call

@@ -268,24 +268,31 @@ WRAPPERS = {
 }
 
 
+@contextlib.contextmanager
+def _under_the_shim(library_wrapper):
+    """``library_wrapper(F.batch_norm)`` put on while the shim is off: the function the shim wraps."""
+    amp_bn_fix.disable()
+    plain = F.batch_norm
+    F.batch_norm = library_wrapper(plain)
+    try:
+        amp_bn_fix.enable()
+        yield
+    finally:
+        amp_bn_fix.disable()
+        F.batch_norm = plain
+        amp_bn_fix.enable()
+
+
 @pytest.mark.parametrize("kind", list(WRAPPERS))
 def test_another_librarys_wrapper_under_the_shim_still_runs(kind):
     """A wrapper put on F.batch_norm while the shim was off is the function the shim wraps then:
     the lane calls it, not torch.batch_norm directly."""
     calls = []
-    amp_bn_fix.disable()
-    plain = F.batch_norm
-    F.batch_norm = WRAPPERS[kind](calls, plain)
-    try:
-        amp_bn_fix.enable()
+    with _under_the_shim(functools.partial(WRAPPERS[kind], calls)):
         bn, x = torch.nn.BatchNorm2d(6), _bf16(4, 6, 3, 3)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = bn(x)
-        assert calls == [1] and out.dtype == torch.float32
-    finally:
-        amp_bn_fix.disable()
-        F.batch_norm = plain
-        amp_bn_fix.enable()
+    assert calls == [1] and out.dtype == torch.float32
 
 
 def test_a_patch_of_torch_batch_norm_still_runs(monkeypatch):
@@ -375,10 +382,6 @@ def test_an_unseen_fp32_call_is_the_tables_torchs(keep_fp32):
                     assert _walked(call) is None, (policy, call)
 
 
-class _Traced(torch.Tensor):
-    pass
-
-
 @pytest.mark.parametrize("seen_by", ["autocast", "a mode", "a subclass", "16-bit input", "an FP64 input"])
 def test_a_seen_call_is_not_unseen(seen_by):
     call = list(_common_args())
@@ -386,7 +389,7 @@ def test_a_seen_call_is_not_unseen(seen_by):
     context = torch.autocast("cpu", dtype=torch.bfloat16) if seen_by == "autocast" else (
         torch.device("cpu") if seen_by == "a mode" else contextlib.nullcontext())
     if seen_by == "a subclass":
-        call[0] = call[0].as_subclass(_Traced)
+        call[0] = call[0].as_subclass(_Sub)
     elif seen_by == "16-bit input":
         call[0] = call[0].bfloat16()
     elif seen_by == "an FP64 input":
@@ -471,16 +474,8 @@ def test_an_fp32_call_reaches_a_library_wrapper_under_the_shim_as_it_came():
     """The lane hands a function other than torch's own the caller's arguments, not a bound call."""
     x = torch.randn(8, 4)
     expected = outcome(_library_bn, (x, torch.zeros(4), torch.ones(4)), dict(training=True))
-    amp_bn_fix.disable()
-    plain = F.batch_norm
-    F.batch_norm = _library_bn
-    try:
-        amp_bn_fix.enable()
+    with _under_the_shim(lambda plain: _library_bn):
         got = outcome(F.batch_norm, (x, torch.zeros(4), torch.ones(4)), dict(training=True))
-    finally:
-        amp_bn_fix.disable()
-        F.batch_norm = plain
-        amp_bn_fix.enable()
     for a, b in zip(got, expected):
         _assert_identical(a, b, "library wrapper")
     assert amp_bn_fix.report()["passed_through"] == 1
