@@ -101,12 +101,12 @@ def _fp32_route(original: Original, call: Tuple[Any, ...], plan: Plan, eager: bo
     """An FP32 output from the 16-bit input (``_kernels``) where it pays: on the host route large
     training calls, on the device route large calls (``_tuning``). A half model's 16-bit weight and
     bias are read as they are."""
-    if not (native and eager and plan.out_dtype is _F32):
+    if not (native and eager and plan.out_dtype is _F32) or (host and call[5] is not True):
         return NOT_THIS
     values = call[0].numel()
     if host:
         # MIN_VALUES is min_values() at one thread: no call below it asks for the thread count.
-        if call[5] is not True or values < _tuning.MIN_VALUES or values < _tuning.min_values():
+        if values < _tuning.MIN_VALUES or values < _tuning.min_values():
             return NOT_THIS
     elif values < _tuning.DEVICE_MIN_VALUES:
         return NOT_THIS
@@ -216,11 +216,15 @@ def past_checks(original: Original, call: Tuple[Any, ...]) -> Original:
     channel, and a positive eps (else its errors, from it). ``torch.batch_norm`` is looked up
     at each call, as there.
     """
-    input, training, eps = call[0], call[5], call[7]
-    if (original is _F_BATCH_NORM and type(eps) is float and eps > 0.0
-            and (training is False or (training is True and input.dim() >= 2 and input.numel() != input.size(1)))):
+    training, eps = call[5], call[7]
+    if original is not _F_BATCH_NORM or type(eps) is not float or not eps > 0.0:
+        return original
+    if training is False:
         return _torch_f_batch_norm
-    return original
+    if training is not True:
+        return original
+    shape = call[0].shape  # read once: a C read each of dim(), numel() and size(1) costs more
+    return _torch_f_batch_norm if len(shape) >= 2 and shape.numel() != shape[1] else original
 
 
 def _torch_f_batch_norm(input: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],

@@ -425,6 +425,7 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str, masters: bo
     autocast = autocast_enabled(kind)
     try:
         shape = input.shape  # read once: the number of dimensions, and the channels
+        mean_dtype = None if mean is None else mean.dtype  # read once: the key, and whether a master may exist
         # The stats' layout, device and requires_grad matter to an update only. A CPU tensor's
         # device is read without making a device object (``Tensor.device`` makes one, which on the
         # common call costs more than the rest of the key), and strides only where the shape does
@@ -437,14 +438,14 @@ def _key(call: Tuple[Any, ...], guard: bool, policy: str, kind: str, masters: bo
                                       var.is_contiguous() or var.stride()))
         return (
             guard, policy, training, autocast, autocast and policy == "autocast" and autocast_dtype(kind),
-            type(input), input.dtype, kind, input.get_device(), len(shape),
+            # A CPU tensor's device has no index (-1): asked only of other devices' tensors.
+            type(input), input.dtype, kind, -1 if kind == "cpu" else input.get_device(), len(shape),
             type(weight), None if weight is None else weight.dtype,
             type(bias), None if bias is None else bias.dtype,
-            type(mean), None if mean is None else mean.dtype,
+            type(mean), mean_dtype,
             type(var), None if var is None else var.dtype,
             layout,
-            masters or (mean is not None and mean.dtype in LOW_PRECISION and var is not None
-                        and _master.has(mean, var)),
+            masters or (mean_dtype in LOW_PRECISION and var is not None and _master.has(mean, var)),
         )
     except AttributeError:
         return None
