@@ -433,11 +433,13 @@ def test_fp32_policy_long_rows_keep_fp32_accuracy(dtype, length):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
-def test_fp32_policy_statistics_keep_fp32_accuracy_on_every_route(both_routes, dtype):
-    # A mean a hundred spreads from zero over 65536 values per channel: a float sum of the channel
-    # (CPU's statistics op) is 60 times the FP32 kernel's error; CUDA's (Welford) and the route's
-    # stand-in for it on CPU are not.
-    x = (1000 + 10 * torch.randn(16, 4, 64, 64, generator=torch.Generator().manual_seed(6))).to(dtype)
+@pytest.mark.parametrize(("mean", "spread", "seed"), [(1000.0, 10.0, 6), (30.0, 1.0, 3)], ids=["100-spreads", "30-spreads"])
+def test_fp32_policy_statistics_keep_fp32_accuracy_on_every_route(both_routes, dtype, mean, spread, seed):
+    # A mean tens of spreads from zero over 65536 values per channel: a float sum of the channel
+    # (CPU's statistics op, and the mixed kernel's and native autocast's accumulation) is off by
+    # ~1e-5 at 30 spreads and 60 times the FP32 kernel's error at 100; CUDA's (Welford) and the
+    # route's stand-in for it on CPU are not.
+    x = (mean + spread * torch.randn(16, 4, 64, 64, generator=torch.Generator().manual_seed(seed))).to(dtype)
     running_mean, running_var = torch.zeros(4), torch.ones(4)
     with torch.autocast("cpu", dtype=dtype):
         out = F.batch_norm(x, running_mean, running_var, training=True)
@@ -485,19 +487,6 @@ def test_fp32_policy_chunked_forward_and_backward_match_the_references(monkeypat
         case.x = x.to(dtype).requires_grad_()
     check_case(case, "fp32", autocast_dtype=dtype)
     assert calls
-
-
-@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
-def test_fp32_policy_training_statistics_have_fp32_accuracy_on_large_batches(dtype):
-    """65536 values per channel around a large mean: a float accumulation over the whole channel
-    (the mixed kernel's, and native autocast's) is off by ~1e-5 here; the FP32 policy is not."""
-    generator = torch.Generator().manual_seed(3)
-    x = (torch.randn(16, 4, 64, 64, generator=generator) + 30).to(dtype)
-    running_mean, running_var = torch.zeros(4), torch.ones(4)
-    with torch.autocast("cpu", dtype=dtype):
-        out = F.batch_norm(x, running_mean, running_var, training=True)
-    assert out.dtype is torch.float32
-    assert_as_accurate_as_the_fp32_kernel(x, out, running_mean, running_var)
 
 
 # --- edge cases and errors -------------------------------------------------------------------
