@@ -22,7 +22,7 @@ import sys
 from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Union
 
 from . import settings
-from .names import BOOTSTRAP_DIR, COMMAND, ENV_ENABLE
+from .names import BOOTSTRAP_DIR, COMMAND, ENV_ENABLE, PACKAGE
 
 PROG = COMMAND
 
@@ -132,12 +132,18 @@ def _in_package(name: str) -> Callable[[argparse.Namespace], int]:
         bad = settings.problems(os.environ)
         if bad:
             return _bad_settings(bad)
+        # Any failure to import is one line (a torch whose CUDA libraries are missing raises OSError).
         try:
             import torch  # noqa: F401
-        except ImportError as exc:
+        except Exception as exc:
             return _error(f"{name} needs torch, which {sys.executable} cannot import ({exc}); "
                           f"python -m _amp_bn_fix_boot.status says what start-up does without it")
-        from amp_bn_fix import _cli
+        try:
+            from amp_bn_fix import _cli
+        except Exception as exc:  # a requirement missing or of another version (pip install --no-deps)
+            return _error(f"{name} needs the {PACKAGE} package, which {sys.executable} cannot import "
+                          f"({type(exc).__name__}: {exc}); python -m _amp_bn_fix_boot.status says what start-up "
+                          "does without it")
 
         return getattr(_cli, name)(args)
 

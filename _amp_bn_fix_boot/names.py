@@ -31,14 +31,15 @@ START_FILES = (PTH_FILE, START_FILE)
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
 
 # One line, as a .pth file needs: with AMP_BN_FIX off it is one environment lookup. Any failure
-# (BaseException too: see hook.start) is one warning line; None in sys.modules then stops a retry
-# (Python 3.11 reads a venv's .pth files twice) and the launcher's sitecustomize from trying again.
+# (BaseException too: see hook.start) is one warning line, where the process has a stderr (closed,
+# a failed write would make site print a traceback on stdout); None in sys.modules then stops a
+# retry (Python 3.11 reads a venv's .pth files twice) and the launcher's sitecustomize from trying again.
 PTH_TEXT = (
     "# {package}: with {enable}=1, enable the shim when torch is imported ({hook}).\n"
     "import os, sys; os.environ.get({enable!r}, '').strip().lower() in {off!r} or {hook!r} in sys.modules or "
-    "exec(\"try: __import__({hook!r}).{attr}.{function}()\\nexcept BaseException as e: "
-    "sys.modules[{hook!r}] = None; sys.stderr.write({warning!r}.format(problem='start-up hook failed (%s: %s)' "
-    "% (type(e).__name__, e)) + '\\\\n')\")\n"
+    "exec(\"try: __import__({hook!r}).{attr}.{function}()\\nexcept BaseException as e:\\n "
+    "sys.modules[{hook!r}] = None\\n try: sys.stderr.write({warning!r}.format(problem='start-up hook failed (%s: %s)' "
+    "% (type(e).__name__, e)) + '\\\\n')\\n except Exception: pass\")\n"
 ).format(
     package=PACKAGE, enable=ENV_ENABLE, off=OFF_WORDS, hook=HOOK_MODULE, attr=HOOK_MODULE.rpartition(".")[2],
     function=HOOK_FUNCTION, warning=WARNING,

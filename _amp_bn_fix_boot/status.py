@@ -8,8 +8,10 @@ to a program. ``amp-bn-fix check`` reports them too.
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
+import re
 import site
 import sys
 from typing import List, NamedTuple, Optional, Tuple
@@ -63,6 +65,21 @@ def describe_shadowing(folder: str) -> str:
             "run from another directory, or rename it")
 
 
+def missing_requirements() -> List[str]:
+    """The requirements of the installed package (its metadata's; the extras' left out) of which no
+    module of that name can be imported here (torch, wrapt: each module named as its distribution,
+    found also where it was put on the path without metadata): ``import torch`` would not get the
+    shim without them (a ``pip install --no-deps``). Versions are not compared; the hook says what
+    fails at import."""
+    try:
+        required = importlib.metadata.requires(PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:  # a source tree on the path: no metadata
+        return []
+    names = {requirement: re.split(r"[\s<>=!~\[(]", requirement, maxsplit=1)[0]
+             for requirement in required if ";" not in requirement}  # not an extra's (or a marker's)
+    return [requirement for requirement, name in names.items() if importlib.util.find_spec(name) is None]
+
+
 def _site_directories() -> List[str]:
     directories = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
     if site.ENABLE_USER_SITE:
@@ -92,6 +109,8 @@ def gather(environ: Optional[dict] = None) -> StartupStatus:
             f"--target, or copied): reinstall it with {sys.executable} -m pip, or start the program "
             "with amp-bn-fix run"
         )
+    for requirement in missing_requirements():
+        problems.append(f"{PACKAGE} needs {requirement}, which is not installed for {sys.executable}")
     # A process started here with ``-c`` or ``-m`` searches the working directory first; this one may
     # be a console script (its own folder first) that has imported the package already.
     folder = shadowing_folder([os.getcwd(), *sys.path[1:]])
@@ -105,13 +124,15 @@ def summary(status: StartupStatus) -> str:
     """One line: whether ``import torch`` enables the shim here, and if not, why."""
     if status.will_enable:
         return f"{PACKAGE}: the shim is enabled when a Python process of this environment imports torch"
-    if status.problems:
-        return f"{PACKAGE}: not enabled at import torch: " + "; ".join(status.problems)
-    if status.requested:  # and the policy off
+    if status.requested or not status.switch_readable:
+        if status.problems:
+            return f"{PACKAGE}: not enabled at import torch: " + "; ".join(status.problems)
         return f"{PACKAGE}: off: {settings.BY_NAME['policy'].env}=off (import torch loads it, and it installs nothing)"
+    # Nothing asks for the shim: that is the reason; what else stands in the way follows it.
     given = [s.env for s in settings.SETTINGS if s.scope != "hook" and s.env in os.environ]
     note = f" ({', '.join(given)} set, but they apply only with it)" if given else ""
-    return f"{PACKAGE}: off: {ENV_ENABLE} is not set to 1{note}"
+    also = f"; with it, also: {'; '.join(status.problems)}" if status.problems else ""
+    return f"{PACKAGE}: off: {ENV_ENABLE} is not set to 1{note}{also}"
 
 
 def main() -> int:

@@ -82,6 +82,8 @@ def _fields(pairs: Sequence[Tuple[str, str]]) -> str:
 def _switch(status: "startup.StartupStatus") -> str:
     if status.switch is None:
         return "unset (off)"
+    if not status.switch_readable:
+        return f"{status.switch!r} (not valid: the start-up hook says so and stays off)"
     return f"{status.switch!r} ({'on' if status.requested else 'off'})"
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, ContextManager, Optional, Tuple
 
 import torch
 import torch._guards
+import torch._prims_common
 import torch.autograd.forward_ad
 import torch.utils.checkpoint
 import wrapt
@@ -56,6 +57,9 @@ _TAG_SEPARATOR = "|amp_bn_fix:"
 _compiler = torch.compiler
 _modules = sys.modules
 _thread = _state.thread
+# ``Tensor.suggest_memory_format()``, which tensors do not expose to Python (torch 2.4 to 2.15):
+# the layout torch's CPU batch norm gives the output of an input dense in no format.
+suggest_memory_format = torch._prims_common.suggest_memory_format
 # What non-reentrant checkpointing raises to stop a recompute once it has every tensor it needs
 # (``torch/utils/checkpoint.py``, torch 2.1 and later): ops that ran before the stop stand.
 RECOMPUTE_STOPPED = torch.utils.checkpoint._StopRecomputationError

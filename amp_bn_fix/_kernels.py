@@ -7,9 +7,11 @@ mixed-dtype batch norm, while the native mixed-dtype kernel (half input, FP32 pa
 statistics) accumulates in FP32, normalizes in FP32 and rounds once. Its statistics accumulate a
 whole channel in float where the FP32 kernel's accumulate in double for contiguous NCHW inputs
 (for channels_last and 2-D inputs it too sums in float): about 1e-5 relative error in the variance
-at 1e5 values per channel, far below one half-precision rounding of the output, and exactly what
-native autocast computes. On a GPU, time follows the bytes each kernel moves, and
-the copy is most of them.
+at 1e5 values per channel of data a few spreads from zero, far below one half-precision rounding of
+the output, and exactly what native autocast computes. A mean far from zero against the spread
+costs more, as in native autocast (3e4 over a spread of 20, 2.6e5 values per channel: 1.6e-3, some
+20 roundings of a float16 output); the ``fp32`` policy's kernels keep 3e-7 there. On a GPU, time
+follows the bytes each kernel moves, and the copy is most of them.
 
 * :func:`mixed_batch_norm`: half output, the native mixed kernel (CPU), no copy of the input.
 * :func:`fp32_batch_norm`: FP32 output. Batch statistics read from the half input (on CPU row by
@@ -32,7 +34,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from . import _state, _tuning
-from ._compat import LOW_PRECISION, add_gradient_hook, is_batched, plain_eager
+from ._compat import LOW_PRECISION, add_gradient_hook, is_batched, plain_eager, suggest_memory_format
 
 _aten = torch.ops.aten
 # ``F.batch_norm``'s eight arguments, in its order.
@@ -200,18 +202,36 @@ class _Normalize(torch.autograd.Function):
 def _normalized(input: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, chunked: bool) -> torch.Tensor:
     """``input * scale + shift`` in FP32, written once from the 16-bit input (an ``addcmul`` promotes
     its operands: CUDA reads the 16-bit values and writes FP32 in one pass, 6 bytes an element).
-    The output keeps the input's memory format.
 
-    ``chunked`` (CPU, contiguous): one FP32 allocation, the output, filled a chunk at a time: each
-    chunk is upcast, then normalized in place while it is still in cache. CPU kernels upcast a
-    promoted operand into a temporary first, and an ``addcmul`` per chunk measured 1.5x slower.
+    The output is laid out as torch's CPU kernel lays out its own (:func:`_output_format`), as
+    where the reference (an FP32 copy, torch's kernel) computes smaller calls; an ``addcmul``
+    alone would follow the input's strides.
+
+    ``chunked`` (CPU, contiguous): the output filled a chunk at a time: each chunk is upcast, then
+    normalized in place while it is still in cache. CPU kernels upcast a promoted operand into a
+    temporary first, and an ``addcmul`` per chunk measured 1.5x slower.
     """
+    out = torch.empty(input.shape, dtype=torch.float32, device=input.device, memory_format=_output_format(input))
     if not chunked:
-        return torch.addcmul(shift, input, scale)
-    out = torch.empty(input.shape, dtype=torch.float32, device=input.device)
+        return torch.addcmul(shift, input, scale, out=out)
     for rows in _chunks(input):
         out[rows].copy_(input[rows]).mul_(scale).add_(shift)
     return out
+
+
+def _output_format(input: torch.Tensor) -> torch.memory_format:
+    """The memory format of torch's CPU batch norm's output for ``input`` (``batch_norm_cpu`` in
+    ``aten/src/ATen/native/Normalization.cpp``): contiguous where the input is (a one-channel
+    channels_last batch too, whose size-1 channel stride a following convolution reads), else the
+    format the input is dense in, else the one its strides suggest (a transposed ``(N, L, C)``
+    batch comes out contiguous, which ``.view()`` takes). cuDNN's (the suggested format) differs
+    only for an input contiguous in both formats, as that one-channel batch."""
+    if input.is_contiguous():
+        return torch.contiguous_format
+    for dense in (torch.channels_last_3d, torch.channels_last):
+        if input.is_contiguous(memory_format=dense):
+            return dense
+    return suggest_memory_format(input)
 
 
 def _backward_in_chunks(
@@ -384,10 +404,12 @@ def _cuda_statistics_on_cpu(input: torch.Tensor, running_mean: Optional[torch.Te
                             running_var: Optional[torch.Tensor], momentum: float) -> Tuple[torch.Tensor, torch.Tensor]:
     dims = [0, *range(2, input.dim())]
     var, mean = torch.var_mean(input.double(), dims, correction=0)
-    mean, var = mean.float(), var.float()
+    count = input.numel() // input.shape[1]
+    # CUDA's Welford holds the sum of squared deviations in FP32: past FP32's range it is inf
+    # (the guard's to see), though the variance itself would fit.
+    mean, var = mean.float(), (var * count).float() / count
     if running_mean is not None and running_var is not None:
         # As CUDA's update: in FP32, the variance made unbiased, no autograd version bump.
-        count = input.numel() // input.shape[1]
         running_mean.data.copy_(mean * momentum + (1 - momentum) * running_mean)
         running_var.data.copy_(var * (count / (count - 1)) * momentum + (1 - momentum) * running_var)
     return mean, var

@@ -1,5 +1,7 @@
 """``amp-bn-fix check``: versions, devices, settings and their sources, start-up hook, self-test."""
 
+import importlib.metadata
+import importlib.util
 import os
 import pathlib
 import re
@@ -123,6 +125,7 @@ def run_check(env, cwd=None):
 def test_check_fails_where_the_environment_would_not_get_the_shim(tmp_path):
     bad_switch = run_check({"AMP_BN_FIX": "2"})
     assert bad_switch.returncode == 1 and "AMP_BN_FIX='2' is not valid" in bad_switch.stdout
+    assert "'2' (not valid: the start-up hook says so and stays off)" in bad_switch.stdout
     (tmp_path / "amp_bn_fix").mkdir()  # a folder of that name in the working directory
     shadowed = run_check({"AMP_BN_FIX": "1"}, cwd=tmp_path)
     assert shadowed.returncode == 1 and f"{tmp_path / 'amp_bn_fix'} shadows the installed amp_bn_fix" in shadowed.stdout
@@ -187,6 +190,42 @@ def test_the_policy_off_is_off_as_asked_not_a_failure(monkeypatch, capsys):
     code, out = check(capsys)
     assert code == 0, out
     assert "AMP_BN_FIX_POLICY=off" in out and "the shim is enabled when" not in out
+
+
+def test_a_requirement_missing_here_means_no_shim_at_import_torch(monkeypatch):
+    # amp_bn_fix installed with pip --no-deps where wrapt is not: the hook's import of the package
+    # fails at import torch (one warning line), so the status must not promise the shim.
+    from _amp_bn_fix_boot import status
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wrapt" else find_spec(name, *a))
+    found = status.gather(dict(os.environ, AMP_BN_FIX="1"))
+    assert found.broken and not found.will_enable
+    (wrapt,) = [r for r in importlib.metadata.requires("amp_bn_fix") if r.startswith("wrapt")]
+    assert status.summary(found) == (f"amp_bn_fix: not enabled at import torch: amp_bn_fix needs {wrapt}, which is not "
+                                     f"installed for {sys.executable}")
+
+
+def test_this_environment_has_every_requirement():
+    from _amp_bn_fix_boot import status
+
+    assert status.missing_requirements() == []
+
+
+def test_without_amp_bn_fix_set_that_is_the_reason_given_first(tmp_path, monkeypatch):
+    # A folder shadowing the package, and nothing asking for the shim: the shim is off because
+    # AMP_BN_FIX is not set; the folder would keep it off with it.
+    from _amp_bn_fix_boot import status
+
+    (tmp_path / "amp_bn_fix").mkdir()
+    monkeypatch.chdir(tmp_path)
+    # The package found as an installed one is, not through the source tree on sys.path.
+    source_tree = os.path.dirname(os.path.dirname(amp_bn_fix.__file__))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and os.path.abspath(p) != source_tree])
+    env = {k: v for k, v in os.environ.items() if k != "AMP_BN_FIX"}
+    line = status.summary(status.gather(env))
+    assert line.startswith("amp_bn_fix: off: AMP_BN_FIX is not set to 1; with it, also: the folder ")
+    assert f"{tmp_path / 'amp_bn_fix'} shadows the installed amp_bn_fix package" in line
 
 
 def test_check_with_a_bad_setting_is_a_clean_error():

@@ -75,19 +75,35 @@ def test_demo_fails_when_the_shim_does_not_give_the_expected_dtype(capsys, shim_
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("MISMATCH")
 
 
+# A stand-in first on the path for a module that fails to import, and what the command says.
+BROKEN_IMPORTS = {
+    "torch missing": ("torch", "ImportError('No module named torch (a stand-in)')",
+                      "needs torch, which {python} cannot import (No module named torch (a stand-in))"),
+    # A CUDA build whose libraries are missing.
+    "torch without its libraries": ("torch", "OSError('libcudart.so.12: cannot open shared object file')",
+                                    "needs torch, which {python} cannot import (libcudart.so.12: cannot open shared "
+                                    "object file)"),
+    # pip install --no-deps where wrapt is not.
+    "wrapt missing": ("wrapt", "ImportError('No module named wrapt (a stand-in)')",
+                      "needs the amp_bn_fix package, which {python} cannot import (ImportError: No module named "
+                      "wrapt (a stand-in))"),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_IMPORTS))
 @pytest.mark.parametrize("subcommand", ["demo", "check"])
-def test_without_torch_the_commands_that_need_it_say_so_in_one_line(tmp_path, subcommand):
-    stand_in = tmp_path / "torch"  # first on the path: an interpreter that cannot import torch
+def test_without_what_they_import_the_commands_say_so_in_one_line(tmp_path, subcommand, broken):
+    module, error, said = BROKEN_IMPORTS[broken]
+    stand_in = tmp_path / module  # first on the path: an interpreter that cannot import it
     stand_in.mkdir()
-    (stand_in / "__init__.py").write_text("raise ImportError('No module named torch (a stand-in)')\n")
+    (stand_in / "__init__.py").write_text(f"raise {error}\n")
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-c", f"import sys; from _amp_bn_fix_boot import cli; sys.exit(cli.main([{subcommand!r}]))"],
         env=child_env(PYTHONPATH=path), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.strip() == (f"amp-bn-fix: error: {subcommand} needs torch, which {sys.executable} cannot "
-                                     "import (No module named torch (a stand-in)); python -m _amp_bn_fix_boot.status "
-                                     "says what start-up does without it")
+    assert result.stderr.strip() == (f"amp-bn-fix: error: {subcommand} {said.format(python=sys.executable)}; "
+                                     "python -m _amp_bn_fix_boot.status says what start-up does without it")
 
 
 def test_demo_leaves_the_patch_as_it_found_it():

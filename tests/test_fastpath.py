@@ -54,6 +54,10 @@ class Case:
 def make_input(shape, dtype: torch.dtype, layout: str, seed: int = 0) -> torch.Tensor:
     """A half input with a non-zero mean (so the statistics' precision matters) in ``layout``."""
     g = torch.Generator().manual_seed(seed)
+    if layout == "permuted":
+        # Dense with its dimensions reversed: an (N, L, C) batch transposed for a BatchNorm1d, say.
+        reversed_dims = tuple(reversed(range(len(shape))))
+        return (torch.randn(tuple(reversed(shape)), generator=g) * 3 + 5).to(dtype).permute(*reversed_dims)
     if layout == "noncontiguous":
         # Every other element of the last dim: strided, neither contiguous nor channels_last.
         wide = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 3 + 5
@@ -165,6 +169,9 @@ def check_case(case: Case, policy: str, autocast_dtype: Optional[torch.dtype], r
         assert_within(actual, simple_actual, 2 * fp32_bound(exact, n, actual.dtype), what=f"{what} (simple)")
 
     assert out.dtype is out_dtype
+    # Laid out as torch's kernel lays out its own, the strides of size-1 dimensions included (a
+    # convolution after it reads them; a ``.view()`` after it works as there).
+    assert out.stride() == simple[0].stride(), (out.stride(), simple[0].stride())
     check(out, simple[0], ref_out, "output")
 
     for stat, ref, simple_stat, given in zip(stats, ref_stats, simple[1], (case.running_mean, case.running_var)):
@@ -203,8 +210,8 @@ def test_every_shape_policy_and_flag_matches_the_references(both_routes, dtype, 
 
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("layout", ["channels_last", "noncontiguous"])
-@pytest.mark.parametrize("shape", [SHAPES["bn2d"], SHAPES["bn3d"]], ids=["bn2d", "bn3d"])
+@pytest.mark.parametrize("layout", ["channels_last", "noncontiguous", "permuted"])
+@pytest.mark.parametrize("shape", [SHAPES["bn1d-3d"], SHAPES["bn2d"], SHAPES["bn3d"]], ids=["bn1d-3d", "bn2d", "bn3d"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_memory_layouts_match_the_references(both_routes, dtype, policy, layout, shape, training):
     case = make_case(shape, dtype, layout, training, affine=True, stats=True)

@@ -88,6 +88,22 @@ def test_non_finite_batch_leaves_stats_exactly_and_next_batch_updates(case, bad)
     assert torch.equal(bn.running_mean, mean.to(bn.running_mean.dtype))
 
 
+@pytest.mark.filterwarnings("ignore:amp_bn_fix. the guard left:RuntimeWarning")
+def test_a_batch_whose_squared_deviations_overflow_fp32_is_skipped_as_torch_overflows():
+    # Variance about 1e38, within FP32's range; the sum of the squared deviations it comes from is
+    # not. Torch's FP32 kernels (and CUDA's Welford, which the device route's CPU stand-in
+    # follows) hold that sum in FP32: the variance is inf, and the guard keeps the stats.
+    x = (1e19 * torch.randn(N, C, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    plain = _bn()
+    plain(x.float())
+    assert torch.isinf(plain.running_var).all()  # what torch's own update makes of it
+    bn = _bn()
+    before = _stats(bn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bn(x)
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+
+
 def test_half_stats_model_under_autocast_is_guarded_too():
     """A module built with 16-bit stats (outside the shim's casts) is handled under autocast."""
     bn = nn.BatchNorm1d(C, dtype=torch.bfloat16)

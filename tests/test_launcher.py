@@ -1,5 +1,6 @@
 """``amp-bn-fix run -- CMD``: the command and every Python process it starts get the shim."""
 
+import ast
 import json
 import os
 import pathlib
@@ -86,16 +87,19 @@ sys.meta_path.insert(0, Vendored())
 """
 
 
-@pytest.mark.parametrize("program, switch", [("nothing", "1"), ("import", "1"), ("import", "0"), ("vendored", "1")])
+@pytest.mark.parametrize("program, switch", [("nothing", "1"), ("import", "1"), ("import", "0"), ("vendored", "1"),
+                                             ("import, stderr closed", "1")])
 def test_the_bootstrap_sitecustomize_warns_once_where_amp_bn_fix_is_not_installed(tmp_path, program, switch):
     # As in an interpreter of another environment: nothing of the package on its path. A program
     # that never imports torch hears nothing, one that does one line, unless it turned the shim
     # off; the import finds torch wherever it did without the bootstrap (here through a finder put
-    # first on sys.meta_path, as a .pth file of another package may).
+    # first on sys.meta_path, as a .pth file of another package may). A process started with its
+    # stderr closed (Python sets sys.stderr to None) hears nothing, and imports torch all the same.
     folder = tmp_path / ("vendored" if program == "vendored" else "path")
     (folder / "torch").mkdir(parents=True)
     (folder / "torch" / "__init__.py").write_text("FOUND = True\n")  # that environment's torch
     code = f"exec({FIRST_FINDER.format(folder=str(folder))!r}); " if program == "vendored" else ""
+    code += "import sys; sys.stderr = None; " if program == "import, stderr closed" else ""
     code += f"import sys; sys.path.insert(0, {launcher.BOOTSTRAP_DIR!r}); import sitecustomize; "
     if program != "vendored":
         code += f"sys.path.insert(0, {str(folder)!r}); "
@@ -105,11 +109,59 @@ def test_the_bootstrap_sitecustomize_warns_once_where_amp_bn_fix_is_not_installe
     result = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert (result.returncode, result.stdout.strip()) == (0, "ran"), result.stderr
-    if program == "nothing" or switch == "0":
+    if program in ("nothing", "import, stderr closed") or switch == "0":
         assert result.stderr == ""
         return
     (line,) = result.stderr.strip().splitlines()
     assert line == f"amp_bn_fix: not installed for {sys.executable}; running without the shim"
+
+
+# Syntax a Python 3 parser takes that Python 2's rejects (beyond what ``_py2_unreadable`` checks by hand).
+PYTHON_3_ONLY = (ast.JoinedStr, ast.AnnAssign, ast.Nonlocal, ast.YieldFrom, ast.AsyncFunctionDef, ast.Await,
+                 ast.NamedExpr, ast.Starred, ast.MatMult)
+
+
+def _py2_unreadable(source):
+    """The nodes of ``source`` that Python 2 cannot parse: f-strings, annotations, keyword-only arguments..."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, PYTHON_3_ONLY):
+            found.append(node)
+        elif isinstance(node, ast.FunctionDef):
+            args = node.args
+            if (node.returns is not None or args.kwonlyargs or args.posonlyargs
+                    or any(a.annotation is not None for a in args.args)):
+                found.append(node)
+    return found
+
+
+def test_the_bootstrap_sitecustomize_is_written_in_syntax_python_2_reads_too():
+    # Every Python a command run by the launcher starts reads it: a Python 2 tool's too, whose
+    # own sitecustomize must still run, with nothing said.
+    source = (pathlib.Path(launcher.BOOTSTRAP_DIR) / "sitecustomize.py").read_text()
+    assert _py2_unreadable(source) == []
+    assert _py2_unreadable("def f(x: int) -> None:\n    print(f'{x}')\n")  # the check finds what it looks for
+
+
+def python_2():
+    """A Python 2 on PATH that runs (a version manager's shim may stand there without one), or None."""
+    for name in ("python2.7", "python2"):
+        found = shutil.which(name)
+        if found and subprocess.run([found, "-c", "import sys; sys.exit(sys.version_info[0] != 2)"],
+                                    capture_output=True, timeout=SUBPROCESS_TIMEOUT).returncode == 0:
+            return found
+    return None
+
+
+def test_a_python_2_tool_under_the_launcher_runs_its_own_sitecustomize_and_hears_nothing(tmp_path):
+    python = python_2()
+    if python is None:
+        pytest.skip("no Python 2 on PATH")
+    (tmp_path / "sitecustomize.py").write_text("import sys; sys.stdout.write('own sitecustomize\\n')\n")
+    env = launcher.environment(child_env(PYTHONPATH=str(tmp_path)))
+    result = subprocess.run([python, "-c", "print('ran')"], env=env, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
+    assert (result.returncode, result.stdout.split(), result.stderr) == (0, ["own", "sitecustomize", "ran"], "")
 
 
 @pytest.mark.slow

@@ -266,15 +266,22 @@ def test_a_broken_boot_package_is_one_warning_line_and_a_normal_run(tmp_path, so
     assert f"amp_bn_fix: start-up hook failed ({error}" in line
 
 
-def test_a_moved_source_tree_is_one_warning_line_and_a_normal_run(tmp_path):
+@pytest.mark.parametrize("stderr", ["open", "closed"])
+def test_a_moved_source_tree_is_one_warning_line_and_a_normal_run(tmp_path, stderr):
     # The .pth file in a site directory from which _amp_bn_fix_boot cannot be imported, as after
     # moving an editable install's source tree; read twice, as site does in a venv on Python 3.11.
+    # With stderr closed (Python sets sys.stderr to None) nothing is said, and nothing lands on
+    # stdout (site prints a .pth line's error there then).
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / names.PTH_FILE).write_text(names.PTH_TEXT)
-    code = f"import site\nfor _ in range(2): site.addsitedir({str(tmp_path / 'site')!r})\nprint('ran')"
+    code = "import site, sys\n" + ("sys.stderr = None\n" if stderr == "closed" else "")
+    code += f"for _ in range(2): site.addsitedir({str(tmp_path / 'site')!r})\nprint('ran')"
     # No PYTHONPATH either: a run of these tests from a source tree puts the package on it.
     result = python(code, {"AMP_BN_FIX": "1", "PYTHONPATH": ""}, "-S", cwd=tmp_path)
-    assert (result.returncode, result.stdout.strip()) == (0, "ran")
+    assert (result.returncode, result.stdout) == (0, "ran\n"), result.stdout
+    if stderr == "closed":
+        assert result.stderr == ""
+        return
     (line,) = warning_lines(result)
     assert "amp_bn_fix: start-up hook failed (ModuleNotFoundError: No module named '_amp_bn_fix_boot')" in line
 
