@@ -112,9 +112,15 @@ def _free(op: str, key: str) -> bool:
         _warned_keys.add((op, key))
         warnings.warn(
             f"amp_bn_fix: another library has a kernel for aten::{op} at the {key} dispatch key; "
-            f"amp_bn_fix leaves it in place, so only torch.nn.functional.batch_norm calls get its policy "
-            "there.",
+            f"amp_bn_fix leaves it in place, so {_LEFT_THERE.get(op, 'that op stays as that library makes it')}.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,  # the user's ``amp_bn_fix.enable()`` line (at import, the package's own)
         )
     return False
+
+
+# What keeps the policy, or not, where another library's kernel stays in place of the door's.
+_LEFT_THERE = {
+    "batch_norm": "only torch.nn.functional.batch_norm calls get its policy there",
+    "instance_norm": "InstanceNorm under autocast stays as that library makes it there",
+}
